@@ -1,0 +1,81 @@
+"""One generation request as the scheduler tracks it, and the result handed back to callers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxserve.batching.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Mutable host-side state of one sequence.
+
+    `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
+    caller gave none. `group` ties the prompts of one client payload together (static batching).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    group: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    admit_time: float | None = None  # first admission, for queue-time metrics
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What `Engine.generate` returns and `Engine.stream` yields (text and tokens so far)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    ttft_s: float | None
+    latency_s: float | None
+    logprobs: list[dict] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

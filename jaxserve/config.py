@@ -1,0 +1,61 @@
+"""EngineConfig: what the user chooses. Values derived at start-up live in the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.batching.policies import STRATEGIES
+
+DTYPES = ("float32", "bfloat16")
+BACKENDS = ("auto", "pallas", "reference")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Engine options, validated on construction.
+
+    The KV pool holds `num_pages` pages if given, else as many as fit in `kv_cache_bytes`.
+    `max_model_len=None` takes the model's context, capped at 2048.
+    """
+
+    strategy: str = "paged"
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    seed: int = 0
+    batch_size: int = 8  # dynamic batching: close a batch at this many requests ...
+    max_batch_delay_ms: float = 50.0  # ... or this long after its first request
+    max_prefill_batch: int = 8
+    max_prefill_tokens: int = 4096
+    max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
+    mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        for name in ("max_slots", "page_size", "kv_cache_bytes", "batch_size", "max_prefill_batch",
+                     "max_prefill_tokens", "max_waiting"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is the null page), got {self.num_pages!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
+            raise ValueError(f"max_model_len must be an integer > 0, got {self.max_model_len!r}")
+        if self.max_batch_delay_ms < 0:
+            raise ValueError(f"max_batch_delay_ms must be >= 0, got {self.max_batch_delay_ms!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.mesh is not None and any(not isinstance(v, int) or v <= 0 for v in self.mesh.values()):
+            raise ValueError(f"mesh axis sizes must be integers > 0, got {self.mesh!r}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

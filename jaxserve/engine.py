@@ -1,0 +1,328 @@
+"""The engine: tokenizer, scheduler and runner wired into one loop.
+
+    prompt -> tokenizer.encode -> Request -> scheduler.waiting
+    step(): schedule (grow pages / preempt, admit) -> runner.decode for running slots
+            -> runner.prefill for admitted sequences -> scheduler.update (append, retire)
+    finished Request -> RequestOutput (text decoded once, stop strings applied while streaming)
+
+The engine is single-threaded: `generate` and `stream` drive `step` themselves; the server drives
+it from one loop thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutput, SamplingParams, Scheduler,
+                               SchedulerConfig, make_policy)
+from jaxserve.batching.block_manager import pages_for
+from jaxserve.batching.sampling_params import MAX_LOGPROBS
+from jaxserve.config import EngineConfig
+from jaxserve.kv_pool import allocate_kv_pool, pages_in_budget
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader import load_model
+from jaxserve.model.transformer import Transformer
+from jaxserve.runner import Runner, RunnerConfig, bucket, powers_of_two
+from jaxserve.sampling import SamplingBatch
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; retry later."""
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], tokenizer: Tokenizer | None,
+                 config: EngineConfig | None = None, model_name: str = "model"):
+        config = config or EngineConfig()
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
+                             f"({model_config.max_position_embeddings})")
+        num_pages = config.num_pages or pages_in_budget(model_config, config.kv_cache_bytes, config.page_size, config.dtype)
+        pages_per_seq = pages_for(self.max_model_len, config.page_size)
+        if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
+            raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
+                             f"({pages_per_seq} pages) for the continuous strategy")
+        if num_pages < 2:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV page")
+        self.backend = _resolve_backend(config.attention_backend)
+        model = Transformer(model_config, weights, np.dtype(config.dtype) if config.dtype == "float32" else "bfloat16")
+        self.runner = Runner(model, RunnerConfig(
+            num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
+            max_model_len=self.max_model_len, attention_backend=self.backend,
+            max_prefill_batch=config.max_prefill_batch, max_prefill_tokens=config.max_prefill_tokens,
+            num_logprobs=MAX_LOGPROBS))
+        self.blocks = BlockManager(num_pages, config.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
+                            eos_token_ids=model_config.eos_token_ids),
+            self.blocks,
+            make_policy(config.strategy, batch_size=config.batch_size,
+                        max_batch_delay_s=config.max_batch_delay_ms / 1000))
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}  # requests with stop strings
+        self._stop_cut: dict[str, int] = {}  # where a stop string cut the text
+        self.idle = True  # the last step had nothing to run
+        self._seeds = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._groups = itertools.count(1)
+        self.num_errors = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
+        """Loads a Hugging Face checkpoint directory, a .gguf file, or (path=None) Gemma 3 270M."""
+        config = config or EngineConfig()
+        model_config, weights, tokenizer, name = load_model(path, config.dtype)
+        return cls(model_config, weights, tokenizer, config, model_name=name)
+
+    # ---- submitting ----
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    group: int | None = None) -> str:
+        """Validates and queues one prompt; returns its request id. Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        token_ids = self._validate(prompt, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        request = Request(request_id, token_ids, params, seed, time.monotonic(),
+                          group=next(self._groups) if group is None else group)
+        self._requests[request_id] = request
+        if params.stop:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.scheduler.add(request)
+        return request_id
+
+    def _validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            token_ids = [int(t) for t in prompt]
+            if not token_ids:
+                raise ValueError("prompt must not be empty")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the context (max_model_len) is "
+                             f"{self.max_model_len}, leaving no room to generate")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                             f"context (max_model_len={self.max_model_len})")
+        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocab size {self.model_config.vocab_size}")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request with finish reason `abort` and frees its pages (no-op if already done)."""
+        self.scheduler.abort(request_id)
+
+    # ---- running ----
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One scheduler iteration; returns the requests that finished during it."""
+        schedule = self.scheduler.schedule()
+        self.idle = schedule.empty
+        finished: list[Request] = []
+        try:
+            if schedule.decodes:
+                finished += self._decode(schedule.decodes)
+            if schedule.prefills:
+                finished += self._prefill(schedule.prefills)
+        except Exception:  # keep serving: the step's requests end with `error`, the rest go on
+            log.exception("engine step failed")
+            self.num_errors += 1
+            for request in schedule.prefills + schedule.decodes:
+                self.scheduler.finish(request, FinishReason.ERROR)
+                finished.append(request)
+            self._recover_pool()
+        finished += self._apply_stop_strings(schedule.prefills + schedule.decodes)
+        return finished
+
+    def _decode(self, requests: list[Request]) -> list[Request]:
+        table = self.scheduler.table
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        out = self.runner.decode(table.tokens, table.lengths, table.block_tables, SamplingBatch.from_table(table),
+                                 logprobs=want_logprobs)
+        rows = np.fromiter((r.slot for r in requests), np.int32, len(requests))
+        return self.scheduler.update(requests, out.tokens[rows], _logprob_dicts(out.logprobs, rows, requests))
+
+    def _prefill(self, requests: list[Request]) -> list[Request]:
+        """Prefills admitted sequences in batches of one length bucket each."""
+        finished = []
+        by_bucket: dict[int, list[Request]] = {}
+        for r in requests:
+            by_bucket.setdefault(bucket(r.num_tokens, self.runner.length_buckets), []).append(r)
+        table = self.scheduler.table
+        for length, group in sorted(by_bucket.items()):
+            size = self.runner.prefill_batch_size(length)
+            for i in range(0, len(group), size):
+                chunk = group[i: i + size]
+                rows = np.fromiter((r.slot for r in chunk), np.int32, len(chunk))
+                out = self.runner.prefill([r.all_token_ids for r in chunk], table.block_tables[rows],
+                                          SamplingBatch.from_table(table, rows),
+                                          logprobs=any(r.params.logprobs is not None for r in chunk))
+                finished += self.scheduler.update(chunk, out.tokens,
+                                                  _logprob_dicts(out.logprobs, np.arange(len(chunk)), chunk))
+        return finished
+
+    def _apply_stop_strings(self, requests: list[Request]) -> list[Request]:
+        """Detokenizes requests that have stop strings and ends those whose text now holds one."""
+        finished = []
+        for request in requests:
+            detok = self._detok.get(request.request_id)
+            if detok is None or request.request_id in self._stop_cut or not request.output_token_ids:
+                continue
+            detok.add(request.output_token_ids[detok.num_added:])
+            cut = min((i for i in (detok.text.find(s) for s in request.params.stop) if i >= 0), default=None)
+            if cut is not None:
+                self._stop_cut[request.request_id] = cut
+                if not request.finished:
+                    self.scheduler.finish(request, FinishReason.STOP)
+                    finished.append(request)
+        return finished
+
+    def _recover_pool(self) -> None:
+        """A failed step may have consumed the donated pool: allocate a fresh one if so."""
+        if any(k.is_deleted() or v.is_deleted() for k, v in self.runner.kv_pool):
+            cfg = self.runner.config
+            self.runner.kv_pool = allocate_kv_pool(self.model_config, cfg.num_pages, cfg.page_size,
+                                                   self.runner.kv_pool[0][0].dtype)
+
+    # ---- results ----
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The current state of a request as a RequestOutput."""
+        r = self._requests[request_id]
+        if r.request_id in self._stop_cut:
+            text = self._detok[r.request_id].text[: self._stop_cut[r.request_id]]
+        else:
+            text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else ""
+        return RequestOutput(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=list(r.output_token_ids),
+            text=text, finish_reason=r.finish_reason.value if r.finish_reason else None,
+            ttft_s=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
+            latency_s=None if r.finish_time is None else r.finish_time - r.arrival_time,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request."""
+        self._requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self._stop_cut.pop(request_id, None)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs prompts to completion (one payload: a static batch under `strategy="static"`)."""
+        prompts = _as_prompt_list(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        for prompt, p in zip(prompts, params_list):  # validate all before queueing any
+            self._validate(prompt, p or SamplingParams())
+        group = next(self._groups)
+        ids = [self.add_request(prompt, p, group=group) for prompt, p in zip(prompts, params_list)]
+        self.run_until(lambda: all(self._requests[i].finished for i in ids))
+        outputs = [self.output(i) for i in ids]
+        for i in ids:
+            self.release(i)
+        return outputs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields the request's state each time it gains tokens; the last one has a finish reason."""
+        request_id = self.add_request(prompt, params)
+        request = self._requests[request_id]
+        seen = 0
+        try:
+            while True:
+                if not request.finished:
+                    self._step_or_wait()
+                if len(request.output_token_ids) > seen or request.finished:
+                    seen = len(request.output_token_ids)
+                    yield self.output(request_id)
+                if request.finished:
+                    return
+        finally:
+            self.abort(request_id)
+            self.release(request_id)
+
+    def run_until(self, done) -> None:
+        while not done():
+            self._step_or_wait()
+
+    def _step_or_wait(self) -> None:
+        self.step()
+        if self.idle and self.scheduler.waiting:
+            time.sleep(0.0005)  # a dynamic batch is still filling: wait for its delay
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_pages": self.blocks.free_pages,
+            "total_pages": self.blocks.total_pages,
+            "num_compiles": self.runner.num_compiles,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_errors": self.num_errors,
+        }
+
+
+def _resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+    return name
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, (int, np.integer)) for t in prompts):
+        return [list(prompts)]  # one token-id prompt
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise ValueError("prompts must be a string, a list of strings or a list of token-id lists, and not empty")
+
+
+def _logprob_dicts(logprobs, rows: np.ndarray, requests: list[Request]) -> list[dict] | None:
+    if logprobs is None:
+        return None
+    chosen, top_ids, top_logp = logprobs
+    out = []
+    for i, r in zip(rows, requests):
+        k = r.params.logprobs or 0
+        out.append({"logprob": float(chosen[i]),
+                    "top": [(int(t), float(lp)) for t, lp in zip(top_ids[i, :k], top_logp[i, :k])]})
+    return out

@@ -1,0 +1,29 @@
+"""The preallocated paged KV pool: per layer, K and V of shape [N, M, S, K].
+
+N kv heads, M pages (page 0 is the null page), S page size, K head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes one page takes across all layers, K and V."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
+
+
+def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype) -> int:
+    """How many pages (the null page included) fit in a byte budget."""
+    return kv_cache_bytes // page_bytes(cfg, page_size, dtype)
+
+
+def allocate_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> list:
+    """Zeroed pool: a list over layers of (k, v), each [N, M, S, K], placed with `sharding` if given."""
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]

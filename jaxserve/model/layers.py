@@ -1,0 +1,123 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, the gated MLP and attention.
+
+Legend: B batch, T tokens, D hidden, H query heads, N kv heads, G = H/N, K head dim, F MLP width,
+P pages per sequence, S page size, M pool pages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.model.config import ModelConfig, RopeScaling
+from jaxserve.model.paged_attention import decode_attention, prefill_attention, write_kv
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * w, computed in float32 (w already holds Gemma's `1 +`)."""
+
+    def __init__(self, weight: jax.Array, eps: float):
+        self.weight = nnx.Param(weight)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [K/2] of rotary embeddings, with linear or Llama-3 scaling."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv.astype(np.float32)
+    if scaling.kind == "linear":
+        return (inv / scaling.factor).astype(np.float32)
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, heads, K]; positions: [B, T]; inv_freq: K/2 floats."""
+    angles = positions.astype(jnp.float32)[..., None] * np.asarray(inv_freq, np.float32)  # [B, T, K/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Gated MLP with gate and up fused into one matmul: down(act(x W_g) * (x W_u))."""
+
+    def __init__(self, gate_up: jax.Array, down: jax.Array, activation: str):
+        self.gate_up = nnx.Param(gate_up)  # [D, 2F]
+        self.down = nnx.Param(down)  # [F, D]
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
+        if self.activation == "silu":
+            gate = jax.nn.silu(gate)
+        else:
+            gate = jax.nn.gelu(gate, approximate=True)
+        return (gate * up) @ self.down[...]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention that writes its K/V into the paged pool.
+
+    Prefill runs on whole prompts starting at position 0, so it attends within the chunk;
+    decode attends to the sequence's pages through its block table.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, jax.Array], norm_eps: float):
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nnx.Param(weights["qkv"])  # [D, (H + 2N) K]
+        self.qkv_bias = nnx.Param(weights["qkv_bias"]) if "qkv_bias" in weights else None
+        self.out = nnx.Param(weights["o_proj"])  # [H K, D]
+        self.q_norm = RMSNorm(weights["q_norm"], norm_eps) if "q_norm" in weights else None
+        self.k_norm = RMSNorm(weights["k_norm"], norm_eps) if "k_norm" in weights else None
+        # A tuple, not an array: a static constant of the compiled function, not a parameter.
+        self.inv_freq = tuple(rope_inv_freq(
+            cfg.head_dim, cfg.layer_rope_thetas[layer],
+            cfg.rope_scaling if cfg.layer_windows[layer] is None else None).tolist())
+        self.window = cfg.layer_windows[layer]
+        self.scale = cfg.scale
+        self.soft_cap = cfg.attn_logit_softcap
+
+    def __call__(self, x, positions, kv, block_tables, lengths, *, decode: bool, backend: str):
+        """x: [B, T, D]; positions: [B, T]; kv: (k [N, M, S, K], v); block_tables: [B, P];
+        lengths: [B] tokens of each sequence after this step. Returns ([B, T, D], kv)."""
+        b, t, _ = x.shape
+        h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = x @ self.qkv[...]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[..., : h * k].reshape(b, t, h, k)
+        key = qkv[..., h * k: (h + n) * k].reshape(b, t, n, k)
+        value = qkv[..., (h + n) * k:].reshape(b, t, n, k)
+        if self.q_norm is not None:
+            q, key = self.q_norm(q), self.k_norm(key)
+        q = apply_rope(q, positions, self.inv_freq)
+        key = apply_rope(key, positions, self.inv_freq)
+        k_pool, v_pool = write_kv(kv, key, value, positions, block_tables, lengths)
+        options = dict(scale=self.scale, window=self.window, soft_cap=self.soft_cap)
+        if decode:
+            out = decode_attention(q[:, 0], k_pool, v_pool, block_tables, lengths, backend=backend, **options)
+            out = out[:, None]
+        else:
+            out = prefill_attention(q, key, value, lengths, **options)
+        return out.reshape(b, t, h * k) @ self.out[...], (k_pool, v_pool)

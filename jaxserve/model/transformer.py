@@ -1,0 +1,94 @@
+"""The decoder-only transformer shared by every family (Llama-style and Gemma 3).
+
+`Transformer(tokens, positions, kv_pool, block_tables, lengths) -> (logits, kv_pool)`: the KV pool
+goes in and comes out, so the runner can donate it and XLA updates it in place.
+Legend: B batch, T tokens, D hidden, V vocab, L layers, P pages per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.layers import MLP, Attention, RMSNorm
+from jaxserve.model.weights import check_weights
+
+KVPool = list  # L x (k [N, M, S, K], v [N, M, S, K])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, w: Mapping[str, jax.Array]):
+        eps = cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(w["attn_norm"], eps)
+        self.attn = Attention(cfg, layer, w, eps)
+        self.mlp_norm = RMSNorm(w["mlp_norm"], eps)
+        self.mlp = MLP(w["gate_up"], w["down_proj"], cfg.activation)
+        # Gemma's sandwich norms: outputs of attention and MLP are normalized again.
+        self.post_attn_norm = RMSNorm(w["post_attn_norm"], eps) if "post_attn_norm" in w else None
+        self.post_mlp_norm = RMSNorm(w["post_mlp_norm"], eps) if "post_mlp_norm" in w else None
+
+    def __call__(self, x, positions, kv, block_tables, lengths, *, decode, backend):
+        h, kv = self.attn(self.attn_norm(x), positions, kv, block_tables, lengths, decode=decode, backend=backend)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h, kv
+
+
+class Transformer(nnx.Module):
+    """Decoder built from canonical weights (see `jaxserve.model.weights`)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
+                 source: str = "weights"):
+        check_weights(cfg, weights, source)
+        self.cfg = cfg
+        self.embed = nnx.Param(jnp.asarray(weights["embed"], dtype))  # [V, D]
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(jnp.asarray(weights["lm_head"], dtype))
+        self.final_norm = RMSNorm(jnp.asarray(weights["final_norm"], dtype), cfg.rms_norm_eps)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, i, _layer_weights(weights, i, dtype)) for i in range(cfg.num_layers)])
+
+    def __call__(self, tokens, positions, kv_pool: KVPool, block_tables, lengths, *,
+                 decode: bool, backend: str = "reference", logits_index=None):
+        """tokens, positions: [B, T] int32; block_tables: [B, P]; lengths: [B] tokens per sequence
+        after this step. logits_index: [B] position in T whose logits to return, or None for all.
+        Returns (logits [B, T or 1, V] float32, new kv_pool)."""
+        x = self.embed[...][tokens]
+        if self.cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
+        new_pool = []
+        for layer, kv in zip(self.layers, kv_pool):
+            x, kv = layer(x, positions, kv, block_tables, lengths, decode=decode, backend=backend)
+            new_pool.append(kv)
+        x = self.final_norm(x)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)  # [B, 1, D]
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = (x @ head).astype(jnp.float32)
+        if self.cfg.final_logit_softcap is not None:
+            cap = self.cfg.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
+        return logits, new_pool
+
+
+def _layer_weights(weights: Mapping[str, np.ndarray], i: int, dtype) -> dict[str, jax.Array]:
+    """One layer's weights, with q/k/v and gate/up fused into single matmuls."""
+    p = f"layers.{i}."
+    get = lambda name: np.asarray(weights[p + name])
+    w = {"qkv": np.concatenate([get("q_proj"), get("k_proj"), get("v_proj")], axis=1),
+         "gate_up": np.concatenate([get("gate_proj"), get("up_proj")], axis=1)}
+    if p + "q_bias" in weights:
+        w["qkv_bias"] = np.concatenate([get("q_bias"), get("k_bias"), get("v_bias")])
+    for name in ("o_proj", "down_proj", "attn_norm", "mlp_norm", "q_norm", "k_norm",
+                 "post_attn_norm", "post_mlp_norm"):
+        if p + name in weights:
+            w[name] = get(name)
+    return {k: jnp.asarray(v, dtype) for k, v in w.items()}

@@ -1,0 +1,158 @@
+"""Compiled model steps over the paged KV pool: `prefill` for newly admitted sequences, `decode`
+for one token of every slot. The runner computes and never decides what runs.
+
+Every step is compiled ahead of time once per shape bucket and counted: prefill per
+(batch, length) bucket, decode per block-table width bucket (pages actually in use, rounded up to
+a power of two), so a steady workload compiles nothing new. The KV pool is donated to each step and
+updated in place; the only device-to-host transfer per step is the sampled tokens (plus
+log-probabilities when a request asks for them).
+Legend: B batch, T tokens, P pages per sequence, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.model.transformer import Transformer
+from jaxserve.sampling import SamplingBatch, sample, token_logprobs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunnerConfig:
+    num_pages: int
+    page_size: int
+    max_slots: int
+    max_model_len: int
+    attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
+    max_prefill_batch: int = 8
+    max_prefill_tokens: int = 4096
+    num_logprobs: int = 5
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: np.ndarray  # [B] int32
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # chosen [B], top ids/logprobs [B, k]
+
+
+def powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2 low, 4 low, ... and finally high itself."""
+    sizes = []
+    size = low
+    while size < high:
+        sizes.append(size)
+        size *= 2
+    return sizes + [high]
+
+
+def bucket(value: int, sizes: list[int]) -> int:
+    """The smallest size >= value."""
+    for size in sizes:
+        if size >= value:
+            return size
+    raise ValueError(f"{value} exceeds the largest bucket {sizes[-1]}")
+
+
+class Runner:
+    def __init__(self, model: Transformer, config: RunnerConfig, kv_sharding=None):
+        self.config = config
+        self.model_config = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        dtype = model.embed[...].dtype
+        self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, dtype, kv_sharding)
+        self.pages_per_seq = -(-config.max_model_len // config.page_size)
+        self.length_buckets = powers_of_two(min(16, config.max_model_len), config.max_model_len)
+        self.width_buckets = powers_of_two(1, self.pages_per_seq)
+        self._compiled: dict[tuple, object] = {}
+        self._jitted = jax.jit(self._step, static_argnames=("decode", "logprobs"), donate_argnums=(1,))
+
+    @property
+    def num_compiles(self) -> int:
+        return len(self._compiled)
+
+    def prefill_batch_size(self, length_bucket: int) -> int:
+        """Largest batch for a prompt length bucket within the prefill token budget."""
+        size = 1
+        while size * 2 <= self.config.max_prefill_batch and size * 2 * length_bucket <= self.config.max_prefill_tokens:
+            size *= 2
+        return size
+
+    # ---- the two verbs ----
+
+    def prefill(self, token_lists: list[list[int]], block_rows: np.ndarray, sampling: SamplingBatch,
+                logprobs: bool = False) -> StepOutput:
+        """Runs whole sequences from position 0, writes their K/V and samples each one's next token.
+
+        token_lists: B sequences (at most the bucket's batch size); block_rows: [B, >= pages needed].
+        """
+        n = len(token_lists)
+        longest = max(len(t) for t in token_lists)
+        t_bucket = bucket(longest, self.length_buckets)
+        b_bucket = bucket(n, powers_of_two(1, self.prefill_batch_size(t_bucket)))
+        width = -(-t_bucket // self.config.page_size)
+        tokens = np.zeros((b_bucket, t_bucket), np.int32)
+        lengths = np.zeros(b_bucket, np.int32)
+        tables = np.zeros((b_bucket, width), np.int32)
+        for i, seq in enumerate(token_lists):
+            tokens[i, : len(seq)] = seq
+            lengths[i] = len(seq)
+        tables[:n] = block_rows[:n, :width]
+        out = self._run(False, logprobs, tokens, lengths, tables, _pad_sampling(sampling, b_bucket))
+        return _take(out, n)
+
+    def decode(self, tokens: np.ndarray, lengths: np.ndarray, block_tables: np.ndarray,
+               sampling: SamplingBatch, logprobs: bool = False) -> StepOutput:
+        """One token for every slot. tokens, lengths: [max_slots] (length 0 marks a free slot);
+        block_tables: [max_slots, pages_per_seq]."""
+        width = bucket(max(1, -(-int(lengths.max()) // self.config.page_size)), self.width_buckets)
+        return self._run(True, logprobs, tokens[:, None], lengths, block_tables[:, :width], sampling)
+
+    # ---- compilation ----
+
+    def _run(self, decode: bool, logprobs: bool, tokens, lengths, tables, sampling) -> StepOutput:
+        key = (decode, logprobs, tokens.shape, tables.shape)
+        compiled = self._compiled.get(key)
+        args = (self.state, self.kv_pool, tokens, lengths, tables, sampling)
+        if compiled is None:
+            compiled = self._jitted.lower(*args, decode=decode, logprobs=logprobs).compile()
+            self._compiled[key] = compiled
+        self.kv_pool, out = compiled(*args)
+        out = jax.device_get(out)  # the one device-to-host transfer of the step
+        return StepOutput(tokens=out[0], logprobs=out[1:] if logprobs else None)
+
+    def _step(self, state, kv_pool, tokens, lengths, tables, sampling, *, decode: bool, logprobs: bool):
+        """tokens: [B, T]; lengths: [B] tokens per sequence after this step; tables: [B, P]."""
+        model = nnx.merge(self.graphdef, state)
+        if decode:
+            positions = (lengths - 1)[:, None]
+            logits_index = None
+        else:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+            logits_index = jnp.maximum(lengths - 1, 0)
+        logits, kv_pool = model(tokens, positions, kv_pool, tables, lengths, decode=decode,
+                                backend=self.config.attention_backend, logits_index=logits_index)
+        logits = logits[:, 0]
+        next_tokens = sample(logits, sampling, positions=lengths)
+        if logprobs:
+            return kv_pool, (next_tokens, *token_logprobs(logits, next_tokens, self.config.num_logprobs))
+        return kv_pool, (next_tokens,)
+
+
+def _pad_sampling(sampling: SamplingBatch, size: int) -> SamplingBatch:
+    """Pads rows with greedy, unfiltered parameters so padding never triggers the sorting path."""
+    def pad(a, value):
+        a = np.asarray(a)
+        return np.concatenate([a, np.full(size - len(a), value, a.dtype)])
+    return SamplingBatch(pad(sampling.temperature, 0), pad(sampling.top_k, 0), pad(sampling.top_p, 1),
+                         pad(sampling.min_p, 0), pad(sampling.seed, 0))
+
+
+def _take(out: StepOutput, n: int) -> StepOutput:
+    logprobs = None if out.logprobs is None else tuple(a[:n] for a in out.logprobs)
+    return StepOutput(tokens=out.tokens[:n], logprobs=logprobs)

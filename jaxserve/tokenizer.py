@@ -1,0 +1,75 @@
+"""Text <-> token ids through a `tokenizers` tokenizer, plus incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """Encodes with the tokenizer's own special-token rules (e.g. a BOS prefix) and decodes
+    without special tokens."""
+
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None):
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_dir(cls, path: str) -> "Tokenizer":
+        """Loads `tokenizer.json` (and the chat template of `tokenizer_config.json`, if any)."""
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        config = {}
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(config_file):
+            with open(config_file) as f:
+                config = json.load(f)
+        token = lambda v: v.get("content") if isinstance(v, dict) else v
+        return cls(HFTokenizer.from_file(file), config.get("chat_template"),
+                   token(config.get("bos_token")), token(config.get("eos_token")))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding a short window of recent tokens and holding back text that ends in an incomplete
+    UTF-8 sequence keeps each step O(1) while multi-token characters come out whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-4:])  # context so the first word's leading space decodes right
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.num_added = 0  # generated tokens consumed so far
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the newly completed text (possibly empty)."""
+        self.ids.extend(token_ids)
+        self.num_added += len(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset: self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built here, offline, in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+VOCAB = 160
+CORPUS = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+          "jax compiles python functions to xla. paged attention keeps kv memory tight. ") * 4
+
+
+def build_tokenizer(path: str) -> None:
+    """A small BPE tokenizer (tokenizer.json) whose ids fit the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>",
+                   "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}assistant:{% endif %}"}, f)
+
+
+def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
+    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, gemma3) with a tokenizer."""
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind in ("llama", "llama3"):
+        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=64) if kind == "llama3" else None
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=(kind == "llama3"),
+                             rope_scaling=scaling, **overrides)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "gemma3":
+        layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 1
+        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, sliding_window=8,
+                                  layer_types=layer_types, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
+                                  query_pre_attn_scalar=32, **overrides)
+        model = tf.Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # random norms, so "1 + w" conventions are actually exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if kind == "gemma3" else 1.0))
+    model.eval().save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Lazily built tiny checkpoints, one directory per kind."""
+    cache: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in cache:
+            cache[kind] = build_checkpoint(str(tmp_path_factory.mktemp(kind)), kind)
+        return cache[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints):
+    return checkpoints("llama")

@@ -1,0 +1,74 @@
+"""The Flax model against Hugging Face transformers on tiny random checkpoints (float32).
+
+Prefill logits for every position, then decode steps one token at a time through the paged pool
+(a permuted block table, pages crossed), must match Hugging Face's full forward within 1e-4.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.model.hf_loader import load_hf_checkpoint
+from jaxserve.model.transformer import Transformer
+
+TOL = 1e-4
+PAGE = 8
+
+
+def paged_logits(model: Transformer, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Logits [len(tokens), V]: prefill of the prompt, then one decode step per further token."""
+    pages_needed = -(-len(tokens) // PAGE)
+    pool = allocate_kv_pool(model.cfg, 32, PAGE, jnp.float32)
+    table = np.random.RandomState(1).permutation(np.arange(1, 32))[:pages_needed][None].astype(np.int32)
+    positions = np.arange(prompt_len, dtype=np.int32)[None]
+    logits, pool = model(tokens[None, :prompt_len], positions, pool, table, np.array([prompt_len], np.int32),
+                         decode=False)
+    rows = [np.asarray(logits[0])]
+    for t in range(prompt_len, len(tokens)):
+        logits, pool = model(tokens[None, t: t + 1], np.array([[t]], np.int32), pool, table,
+                             np.array([t + 1], np.int32), decode=True)
+        rows.append(np.asarray(logits[0]))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "gemma3"])
+def test_logits_match_hugging_face(checkpoints, kind):
+    path = checkpoints(kind)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    cfg, weights = load_hf_checkpoint(path)
+    model = Transformer(cfg, weights)
+    tokens = np.random.RandomState(0).randint(3, cfg.vocab_size, size=30).astype(np.int32)
+    with torch.no_grad():
+        expected = hf(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
+    got = paged_logits(model, tokens, prompt_len=19)  # 19 and 30 tokens cross 8-token pages
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    if kind == "gemma3":
+        assert len(tokens) > cfg.layer_windows[0], "the sequence must be longer than the sliding window"
+
+
+def test_missing_and_misshaped_tensors_are_named(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    src = checkpoints("llama")
+    for case in ("missing", "misshaped"):
+        dst = tmp_path / case
+        shutil.copytree(src, dst)
+        tensors = load_file(dst / "model.safetensors")
+        if case == "missing":
+            del tensors["model.layers.1.mlp.up_proj.weight"]
+            expected = "layers.1.up_proj"
+        else:
+            tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:, :5]
+            expected = "layers.0.k_proj"
+        save_file(tensors, dst / "model.safetensors")
+        with pytest.raises(ValueError, match=expected):
+            load_hf_checkpoint(str(dst))
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_hf_checkpoint(str(tmp_path / "nowhere"))
