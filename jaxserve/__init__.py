@@ -1,7 +1,21 @@
-"""jaxserve: a JAX/XLA inference engine for decoder-only language models."""
+"""jaxserve: a JAX/XLA inference engine for decoder-only language models.
 
-from jaxserve.batching import RequestOutput, SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine, QueueFullError
+The public names load lazily, so `import jaxserve.batching` (pure Python) never pulls in jax.
+"""
 
-__all__ = ["Engine", "EngineConfig", "QueueFullError", "RequestOutput", "SamplingParams"]
+import importlib
+
+_EXPORTS = {
+    "Engine": "jaxserve.engine",
+    "QueueFullError": "jaxserve.engine",
+    "EngineConfig": "jaxserve.config",
+    "SamplingParams": "jaxserve.batching.sampling_params",
+    "RequestOutput": "jaxserve.batching.request",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -213,6 +213,8 @@ class Engine:
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.STOP)
                     finished.append(request)
+                elif request.finish_reason is FinishReason.LENGTH:
+                    request.finish_reason = FinishReason.STOP  # the last token completed a stop string
         return finished
 
     def _recover_pool(self) -> None:

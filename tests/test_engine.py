@@ -1,0 +1,157 @@
+"""Engine behaviour on a tiny Llama: parity with Hugging Face `generate`, batch invariance,
+preemption, no leaked pages, no recompiles, streaming, abort, stop strings and bad input."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPT_LENGTHS = [1, 5, 7, 8, 9, 16, 17, 30]  # around the 8-token page boundaries
+
+
+def prompts(n=len(PROMPT_LENGTHS), seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, 150, size=PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return Engine.from_pretrained(llama_dir, EngineConfig(max_slots=16, page_size=8, num_pages=128, max_model_len=128))
+
+
+@pytest.fixture(scope="module")
+def hf_model(llama_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32).eval()
+
+
+def assert_idle(engine):
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["free_pages"] == stats["total_pages"], "KV pages leaked"
+
+
+def test_greedy_matches_hugging_face_generate(engine, hf_model):
+    outputs = engine.generate(prompts(), GREEDY)
+    for prompt, out in zip(prompts(), outputs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+        assert out.finish_reason == "length" and out.num_prompt_tokens == len(prompt)
+        assert out.ttft_s > 0 and out.latency_s >= out.ttft_s
+    assert_idle(engine)
+
+
+def test_batch_invariance_greedy_and_seeded(engine):
+    batch = prompts(16, seed=1)
+    together = engine.generate(batch, GREEDY)
+    alone = [engine.generate([p], GREEDY)[0] for p in batch[:6]]
+    assert [o.token_ids for o in together[:6]] == [o.token_ids for o in alone]
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)
+    in_batch = engine.generate(batch[:7] + [batch[0]], [GREEDY] * 7 + [sampled])[-1]
+    by_itself = engine.generate([batch[0]], sampled)[0]
+    assert in_batch.token_ids == by_itself.token_ids
+    other_seed = engine.generate([batch[0]], SamplingParams(max_tokens=10, temperature=0.9, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != by_itself.token_ids
+    assert_idle(engine)
+
+
+def test_repeating_a_workload_adds_no_compiles(engine):
+    engine.generate(prompts(), GREEDY)
+    before = engine.stats()["num_compiles"]
+    engine.generate(prompts(), GREEDY)
+    assert engine.stats()["num_compiles"] == before
+    assert_idle(engine)
+
+
+def test_preemption_finishes_everything_with_same_tokens(llama_dir, engine):
+    work = prompts(8, seed=2)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = engine.generate(work, params)
+    # The workload needs about 8 x 8 pages; give it a quarter of that.
+    small = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=8, page_size=8, num_pages=17, max_model_len=128))
+    got = small.generate(work, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(o.finish_reason == "length" for o in got)
+    assert small.stats()["num_preemptions"] > 0
+    assert_idle(small)
+
+
+def test_stream_yields_growing_text_and_finishes(engine):
+    parts = list(engine.stream("the quick brown fox", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+    assert [len(p.token_ids) for p in parts] == list(range(1, 7))
+    assert parts[-1].finish_reason == "length"
+    full = engine.generate("the quick brown fox", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert parts[-1].text == full.text and parts[-1].token_ids == full.token_ids
+    assert_idle(engine)
+
+
+def test_abort_frees_pages(engine):
+    rid = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats()["running"] == 1
+    engine.abort(rid)
+    assert engine.output(rid).finish_reason == "abort"
+    engine.release(rid)
+    assert_idle(engine)
+
+
+def test_eos_and_stop_token_ids_and_stop_strings(engine):
+    base = engine.generate("the quick", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop_token = base.token_ids[3]
+    first = base.token_ids.index(stop_token)
+    out = engine.generate("the quick", SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop_token,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
+    if base.text.strip():
+        stop = base.text.strip()[-2:]
+        out = engine.generate("the quick", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=(stop,)))[0]
+        assert out.finish_reason == "stop" and stop not in out.text
+        assert base.text.startswith(out.text)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "prompt must not be empty"),
+    ([], SamplingParams(), "not be empty"),
+    ([5, 999], SamplingParams(), r"token ids must be in \[0, 160\)"),
+    (list(range(3, 131)), SamplingParams(max_tokens=1), "max_model_len"),
+    ([5] * 100, SamplingParams(max_tokens=29), "plus max_tokens"),
+])
+def test_bad_prompts_raise_value_error(engine, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate([prompt] if not isinstance(prompt, str) else prompt, params)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-3), "seed"),
+])
+def test_bad_sampling_params_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(strategy="turbo"), "strategy"), (dict(dtype="float16"), "dtype"), (dict(max_slots=0), "max_slots"),
+    (dict(num_pages=1), "num_pages"), (dict(attention_backend="cuda"), "attention_backend"),
+])
+def test_bad_engine_config_raises_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_engine_keeps_serving_after_bad_input(engine):
+    with pytest.raises(ValueError):
+        engine.generate(["fine prompt", ""], GREEDY)
+    assert_idle(engine)  # nothing of the rejected payload was queued
+    assert engine.generate("fine prompt", GREEDY)[0].finish_reason == "length"
+
+
+def test_missing_model_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        Engine.from_pretrained(str(tmp_path / "nope"))
