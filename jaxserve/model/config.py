@@ -60,7 +60,6 @@ class ModelConfig:
     # Gemma 3 extras.
     layer_windows: tuple[int | None, ...] | None = None
     layer_rope_thetas: tuple[float, ...] | None = None
-    local_rope_scaling_applies: bool = False  # sliding layers never use rope_scaling in Gemma 3
     embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(hidden_size)
     sandwich_norms: bool = False  # Gemma's post-attention and post-MLP norms
     query_scale: float | None = None  # None: 1/sqrt(head_dim)

@@ -1,4 +1,4 @@
-"""Attention against the paged KV pool, in plain XLA (the `reference` backend).
+"""Attention against the paged KV pool: the K/V write, decode dispatch, and in-prompt prefill.
 
 Pool layout per layer: k, v `[N, M, S, K]`; page 0 is the null page that padding reads and writes.
 Legend: B batch, T tokens, H query heads, N kv heads, G = H/N, K head dim, M pool pages,
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.pallas_kernels import backend as pallas_backend
 
 NEG_INF = -1e30
 
@@ -22,8 +24,8 @@ def write_kv(kv, key, value, positions, block_tables, lengths):
     k_pool, v_pool = kv
     page_size = k_pool.shape[2]
     b, t, n, k = key.shape
-    valid = positions < lengths[:, None]  # [B, T]
-    page_index = jnp.minimum(positions // page_size, block_tables.shape[1] - 1)
+    valid = (positions >= 0) & (positions < lengths[:, None])  # [B, T]; free slots have length 0
+    page_index = jnp.clip(positions // page_size, 0, block_tables.shape[1] - 1)
     pages = jnp.where(valid, jnp.take_along_axis(block_tables, page_index, axis=1), 0).reshape(-1)
     offsets = (positions % page_size).reshape(-1)
     k_new = key.reshape(b * t, n, k).transpose(1, 0, 2).astype(k_pool.dtype)  # [N, B T, K]
@@ -38,36 +40,16 @@ def _masked_softmax(scores, visible, soft_cap):
     return jax.nn.softmax(jnp.where(visible, scores, NEG_INF), axis=-1)
 
 
-def decode_attention_reference(q, k_pool, v_pool, block_tables, lengths, *, scale, window=None, soft_cap=None):
-    """One query per sequence against its pages.
+def decode_attention(q, k_pool, v_pool, block_tables, lengths, *, backend, scale, window=None, soft_cap=None):
+    """One query per sequence against its pages, through the configured backend: "reference"
+    (XLA gather) or "pallas" (the kernels, in interpret mode on CPU).
 
     q: [B, H, K]; block_tables: [B, P]; lengths: [B] (the query sits at position length - 1).
     Returns [B, H, K]; a sequence of length 0 gets zeros.
     """
-    b, h, k = q.shape
-    n, _, s, _ = k_pool.shape
-    keys = k_pool[:, block_tables].reshape(n, b, -1, k)  # [N, B, P S, K]
-    values = v_pool[:, block_tables].reshape(n, b, -1, k)
-    qg = q.reshape(b, n, h // n, k).astype(jnp.float32) * scale  # [B, N, G, K]
-    scores = jnp.einsum("bngk,nbtk->bngt", qg, keys.astype(jnp.float32))
-    key_pos = jnp.arange(keys.shape[2])
-    visible = key_pos[None, :] < lengths[:, None]  # [B, P S]
-    if window is not None:
-        visible &= key_pos[None, :] > (lengths[:, None] - 1 - window)
-    probs = _masked_softmax(scores, visible[:, None, None, :], soft_cap)
-    probs = jnp.where(lengths[:, None, None, None] > 0, probs, 0.0)
-    out = jnp.einsum("bngt,nbtk->bngk", probs, values.astype(jnp.float32))
-    return out.reshape(b, h, k).astype(q.dtype)
-
-
-def decode_attention(q, k_pool, v_pool, block_tables, lengths, *, backend, scale, window=None, soft_cap=None):
-    """Dispatches decode attention to the configured backend ("reference" or "pallas")."""
-    if backend == "reference":
-        return decode_attention_reference(q, k_pool, v_pool, block_tables, lengths,
-                                          scale=scale, window=window, soft_cap=soft_cap)
-    from jaxserve.pallas_kernels.backend import decode_attention as pallas_decode
-    return pallas_decode(q, k_pool, v_pool, block_tables, lengths, backend=backend, sm_scale=scale,
-                         sliding_window=window, soft_cap=soft_cap)
+    return pallas_backend.decode_attention(q, k_pool, v_pool, block_tables, lengths, backend=backend,
+                                           sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
+                                           interpret=jax.default_backend() == "cpu")
 
 
 def prefill_attention(q, key, value, lengths, *, scale, window=None, soft_cap=None):

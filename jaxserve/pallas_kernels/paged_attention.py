@@ -77,7 +77,9 @@ def _decode_kernel(
     precision = _dot_precision(q.dtype)
 
     # Only the blocks that hold visible keys: [first, last] positions -> block range.
-    hi = (length + block_len - 1) // block_len
+    # Clamped to the table so a too-large length cannot read past it (keys beyond are absent).
+    hi = jnp.minimum((length + block_len - 1) // block_len,
+                     block_table_ref.shape[0] // pages_per_block)
     if sliding_window is None:
         lo = jnp.int32(0)
     else:
@@ -234,6 +236,7 @@ def paged_attention(
     positions `p < lengths[s]` (and `p > lengths[s] - 1 - sliding_window` when given). Scores
     are `q.k * sm_scale` (default 1/sqrt(D)), soft-capped as `c * tanh(s / c)` when `soft_cap`
     is given. A slot with length 0 returns zeros. Accumulates in float32; returns q's dtype.
+    Precondition (not checked, values are traced): 0 <= lengths[s] <= T * P.
 
     `pages_per_block` (a power of two; default so that a block holds >= 16 keys) sets how many
     pages one loop step loads; entries past the table are the null page and are masked.

@@ -82,6 +82,7 @@ def _prefill_kernel(
     # Keys needed by the valid rows of this block: [first visible of first row, last row].
     n_valid = jnp.clip(chunk_len - t0, 0, block_q)
     hi = jnp.where(n_valid > 0, (start + t0 + n_valid + block_len - 1) // block_len, 0)
+    hi = jnp.minimum(hi, block_table_ref.shape[0] // pages_per_block)  # never past the table
     if sliding_window is None:
         lo = jnp.int32(0)
     else:

@@ -124,6 +124,7 @@ def _tpu_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, sliding_wi
     def kv_index(s, h, i, lengths_ref, block_tables_ref):
         first, last = _page_range(s, lengths_ref, page_size, sliding_window)
         page = jnp.clip(i, first, jnp.maximum(last, first))  # stay on a needed page: no new DMA
+        page = jnp.minimum(page, pages_per_seq - 1)  # never past the table
         return h, block_tables_ref[s, page], 0, 0
 
     qo_spec = pl.BlockSpec((None, None, group, head_dim), lambda s, h, i, *_: (s, h, 0, 0))

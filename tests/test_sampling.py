@@ -1,0 +1,63 @@
+"""On-device sampling against plain numpy expectations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.sampling import SamplingBatch, argmax, sample, token_logprobs
+
+
+def batch(n, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
+    full = lambda v, dt: np.full(n, v, dt)
+    return SamplingBatch(full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
+                         full(min_p, np.float32), np.arange(seed, seed + n, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 1000, 4096])
+def test_argmax_matches_numpy_including_ties(vocab):
+    logits = np.random.RandomState(vocab).randint(0, 5, size=(6, vocab)).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(logits))), logits.argmax(-1))
+
+
+def test_greedy_rows_ignore_seed_and_sampled_rows_follow_it():
+    logits = jnp.asarray(np.random.RandomState(0).randn(4, 50).astype(np.float32))
+    greedy = sample(logits, batch(4), jnp.arange(4))
+    np.testing.assert_array_equal(greedy, np.asarray(logits).argmax(-1))
+    a = sample(logits, batch(4, temperature=1.0, seed=7), jnp.full(4, 3))
+    b = sample(logits, batch(4, temperature=1.0, seed=7), jnp.full(4, 3))
+    np.testing.assert_array_equal(a, b)
+    draws = [np.asarray(sample(logits, batch(4, temperature=1.0, seed=7), jnp.full(4, p))) for p in range(20)]
+    assert len({d.tobytes() for d in draws}) > 1  # the key moves with the position
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = jnp.asarray(np.random.RandomState(1).randn(8, 300).astype(np.float32))
+    expected = np.asarray(logits).argmax(-1)
+    for params in (batch(8, temperature=2.0, top_k=1), batch(8, temperature=2.0, top_p=1e-6),
+                   batch(8, temperature=2.0, min_p=1.0)):
+        np.testing.assert_array_equal(sample(logits, params, jnp.arange(8)), expected)
+
+
+def test_top_k_restricts_to_the_k_best_and_frequencies_follow_softmax():
+    row = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    n = 4000
+    logits = jnp.asarray(np.tile(row, (n, 1)))
+    draws = np.asarray(sample(logits, batch(n, temperature=1.0, top_k=2), jnp.zeros(n, jnp.int32)))
+    assert set(draws.tolist()) <= {0, 1}
+    assert abs((draws == 0).mean() - 0.5 / 0.8) < 0.03
+    draws = np.asarray(sample(logits, batch(n, temperature=1.0), jnp.zeros(n, jnp.int32)))
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / n, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    draws = np.asarray(sample(logits, batch(n, temperature=1.0, top_p=0.7), jnp.zeros(n, jnp.int32)))
+    assert set(draws.tolist()) <= {0, 1}  # 0.5 < 0.7 needs the second token, not the third
+    draws = np.asarray(sample(logits, batch(n, temperature=1.0, min_p=0.5), jnp.zeros(n, jnp.int32)))
+    assert set(draws.tolist()) <= {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_token_logprobs():
+    logits = jnp.asarray(np.random.RandomState(2).randn(3, 20).astype(np.float32))
+    tokens = jnp.array([0, 5, 19])
+    chosen, top_ids, top_logp = token_logprobs(logits, tokens, 3)
+    ref = np.asarray(jax.nn.log_softmax(logits))
+    np.testing.assert_allclose(chosen, ref[np.arange(3), [0, 5, 19]], rtol=1e-6)
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, -1)[:, :3])
