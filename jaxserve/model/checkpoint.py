@@ -1,0 +1,72 @@
+"""Orbax checkpoints of converted weights: save once, restore fast, optionally straight into a
+sharding so each device reads only its own shard.
+
+A checkpoint directory holds `config.json` (the ModelConfig) and `weights/` (an Orbax tree of the
+canonical weights, see `jaxserve.model.weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Callable, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxserve.model.config import ModelConfig, RopeScaling
+from jaxserve.model.weights import check_weights, expected_shapes
+
+CONFIG_FILE = "config.json"
+WEIGHTS_DIR = "weights"
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, WEIGHTS_DIR)) and os.path.exists(os.path.join(path, CONFIG_FILE))
+
+
+def save_checkpoint(path: str, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
+                    extra_files: Mapping[str, str] | None = None) -> None:
+    """Writes config, weights and `extra_files` (name -> text, e.g. the tokenizer); the directory
+    appears only once complete (atomic rename)."""
+    check_weights(cfg, weights, "weights to save")
+    tmp = path.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+        json.dump({"model_config": dataclasses.asdict(cfg)}, f)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(os.path.join(tmp, WEIGHTS_DIR)), dict(weights))
+    for name, text in (extra_files or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def load_config(path: str) -> ModelConfig:
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        fields = json.load(f)["model_config"]
+    if fields.get("rope_scaling"):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return ModelConfig(**fields)
+
+
+def restore_checkpoint(path: str, dtype: str = "float32",
+                       sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None
+                       ) -> tuple[ModelConfig, dict]:
+    """Restores (config, weights). With `sharding_for(name, shape)`, each weight comes back as a
+    jax.Array laid out in that sharding, read shard by shard; without it, as numpy arrays."""
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path!r} is not a jaxserve checkpoint (needs {CONFIG_FILE} and {WEIGHTS_DIR}/)")
+    cfg = load_config(path)
+    np_dtype = jax.numpy.dtype(dtype)
+    target = {name: jax.ShapeDtypeStruct(shape, np_dtype,
+                                         sharding=sharding_for(name, shape) if sharding_for else None)
+              for name, shape in expected_shapes(cfg).items()}
+    with ocp.StandardCheckpointer() as checkpointer:
+        weights = checkpointer.restore(os.path.abspath(os.path.join(path, WEIGHTS_DIR)), target)
+    return cfg, weights
