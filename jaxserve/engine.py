@@ -31,6 +31,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.runner import Runner, RunnerConfig, bucket, powers_of_two
 from jaxserve.sampling import SamplingBatch
+from jaxserve.sharding import canonical_sharding_for, make_mesh
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Engine:
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
             max_prefill_batch=config.max_prefill_batch, max_prefill_tokens=config.max_prefill_tokens,
-            num_logprobs=MAX_LOGPROBS))
+            num_logprobs=MAX_LOGPROBS), mesh=make_mesh(config.mesh) if config.mesh else None)
         self.blocks = BlockManager(num_pages, config.page_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
@@ -88,7 +89,9 @@ class Engine:
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
         """Loads a Hugging Face checkpoint directory, a .gguf file, or (path=None) Gemma 3 270M."""
         config = config or EngineConfig()
-        model_config, weights, tokenizer, name = load_model(path, config.dtype)
+        # With a mesh, an Orbax checkpoint is restored straight into sharded arrays.
+        sharding_for = (lambda cfg: canonical_sharding_for(make_mesh(config.mesh), cfg)) if config.mesh else None
+        model_config, weights, tokenizer, name = load_model(path, config.dtype, sharding_for)
         return cls(model_config, weights, tokenizer, config, model_name=name)
 
     # ---- submitting ----
@@ -226,19 +229,31 @@ class Engine:
 
     # ---- results ----
 
+    def request(self, request_id: str) -> Request:
+        """The live Request of an id (KeyError once released)."""
+        return self._requests[request_id]
+
     def output(self, request_id: str) -> RequestOutput:
         """The current state of a request as a RequestOutput."""
         r = self._requests[request_id]
         if r.request_id in self._stop_cut:
             text = self._detok[r.request_id].text[: self._stop_cut[r.request_id]]
         else:
-            text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else ""
+            text = self._decode_text(r)
         return RequestOutput(
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=list(r.output_token_ids),
             text=text, finish_reason=r.finish_reason.value if r.finish_reason else None,
             ttft_s=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
             latency_s=None if r.finish_time is None else r.finish_time - r.arrival_time,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
+
+    def _decode_text(self, r: Request) -> str:
+        """Output text decoded after a few prompt tokens, so a leading space survives tokenizers
+        (SentencePiece) that drop it at the start of a decode."""
+        if self.tokenizer is None:
+            return ""
+        context = r.prompt_token_ids[-4:]
+        return self.tokenizer.decode(context + r.output_token_ids)[len(self.tokenizer.decode(context)):]
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request."""

@@ -1,0 +1,78 @@
+"""Prometheus metrics of one server: a registry of its own (two apps in one process never clash).
+
+The engine loop thread updates them (`observe_engine` after each iteration, `observe_finished` when
+a request ends); HTTP handlers only count rejections and render the text format. Names follow the
+vLLM vocabulary: TTFT, TPOT (time per output token after the first), end-to-end latency, queue time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.running = Gauge("jaxserve_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("jaxserve_num_requests_waiting", "Requests in the waiting queue", registry=r)
+        self.kv_pages_used = Gauge("jaxserve_kv_pages_used", "KV pages held by sequences", registry=r)
+        self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "KV pages in the pool (null page excluded)",
+                                    registry=r)
+        self.kv_usage = Gauge("jaxserve_kv_cache_usage_percent", "KV pages in use, percent of the pool", registry=r)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter("jaxserve_num_preemptions", "Sequences preempted for lack of KV pages",
+                                   registry=r)
+        self.compiles = Counter("jaxserve_num_compiles", "XLA compilations of prefill and decode steps",
+                                registry=r)
+        self.engine_errors = Counter("jaxserve_engine_step_errors", "Engine steps that failed", registry=r)
+        self.finished = Counter("jaxserve_requests_finished", "Requests ended, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("jaxserve_requests_rejected", "HTTP requests refused, by status code",
+                                ["status"], registry=r)
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("jaxserve_time_per_output_token_seconds", "Mean time per token after the first",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0}
+
+    def observe_engine(self, stats: dict) -> None:
+        """Mirrors `Engine.stats()`: gauges are set, engine counters advance by their increase."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        total, used = stats["total_pages"], stats["total_pages"] - stats["free_pages"]
+        self.kv_pages_used.set(used)
+        self.kv_pages_total.set(total)
+        self.kv_usage.set(100.0 * used / total if total else 0.0)
+        for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
+                             ("num_errors", self.engine_errors)):
+            value = stats.get(key, 0)
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+                self._seen[key] = value
+
+    def observe_finished(self, request) -> None:
+        """Records a finished engine Request (times are time.monotonic stamps)."""
+        reason = request.finish_reason.value if request.finish_reason else "unknown"
+        self.finished.labels(finish_reason=reason).inc()
+        if request.admit_time is not None:
+            self.queue_time.observe(request.admit_time - request.arrival_time)
+        if request.first_token_time is not None:
+            self.ttft.observe(request.first_token_time - request.arrival_time)
+        if reason in ("stop", "length") and request.finish_time is not None:
+            self.e2e.observe(request.finish_time - request.arrival_time)
+            n = len(request.output_token_ids)
+            if n > 1 and request.first_token_time is not None:
+                self.tpot.observe((request.finish_time - request.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
