@@ -29,7 +29,7 @@ from jaxserve.kv_pool import allocate_kv_pool, pages_in_budget
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import load_model
 from jaxserve.model.transformer import Transformer
-from jaxserve.runner import Runner, RunnerConfig, bucket, powers_of_two
+from jaxserve.runner import Runner, RunnerConfig, bucket
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sharding import canonical_sharding_for, make_mesh
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -69,10 +69,15 @@ class Engine:
             max_model_len=self.max_model_len, attention_backend=self.backend,
             max_prefill_batch=config.max_prefill_batch, max_prefill_tokens=config.max_prefill_tokens,
             num_logprobs=MAX_LOGPROBS), mesh=make_mesh(config.mesh) if config.mesh else None)
-        self.blocks = BlockManager(num_pages, config.page_size)
+        self._reset_scheduler()
+
+    def _reset_scheduler(self) -> None:
+        """A fresh block manager and scheduler for `self.config` over the runner's pool."""
+        config = self.config
+        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
-                            eos_token_ids=model_config.eos_token_ids),
+                            eos_token_ids=self.model_config.eos_token_ids),
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000))
@@ -84,6 +89,22 @@ class Engine:
         self._ids = itertools.count()
         self._groups = itertools.count(1)
         self.num_errors = 0
+
+    def with_strategy(self, strategy: str, **changes) -> "Engine":
+        """A new engine with another batching strategy (and policy options such as batch_size)
+        that shares this one's model, compiled steps and KV pool: benchmarks compare strategies
+        and nothing else. Use one of the two at a time."""
+        if self.has_unfinished():
+            raise RuntimeError("with_strategy needs an idle engine")
+        config = self.config.replace(strategy=strategy, **changes)
+        pages_per_seq = pages_for(self.max_model_len, config.page_size)
+        if strategy == "continuous" and self.runner.config.num_pages - 1 < pages_per_seq:
+            raise ValueError("the KV pool cannot hold one full-context sequence for the continuous strategy")
+        clone = object.__new__(Engine)
+        clone.__dict__.update(self.__dict__)
+        clone.config = config
+        clone._reset_scheduler()
+        return clone
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
@@ -97,8 +118,9 @@ class Engine:
     # ---- submitting ----
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    group: int | None = None) -> str:
-        """Validates and queues one prompt; returns its request id. Raises ValueError on bad input."""
+                    group: int | None = None, arrival_time: float | None = None) -> str:
+        """Validates and queues one prompt; returns its request id. Raises ValueError on bad input.
+        `arrival_time` (time.monotonic) backdates a request that arrived while a step ran."""
         params = params or SamplingParams()
         token_ids = self._validate(prompt, params)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -107,7 +129,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        request = Request(request_id, token_ids, params, seed, time.monotonic(),
+        request = Request(request_id, token_ids, params, seed, arrival_time or time.monotonic(),
                           group=next(self._groups) if group is None else group)
         self._requests[request_id] = request
         if params.stop:

@@ -12,12 +12,14 @@ Legend: B batch, T tokens, P pages per sequence, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import sharding
 from jaxserve.kv_pool import allocate_kv_pool
 from jaxserve.model.transformer import Transformer
 from jaxserve.sampling import SamplingBatch, sample, token_logprobs
@@ -60,11 +62,22 @@ def bucket(value: int, sizes: list[int]) -> int:
 
 
 class Runner:
-    def __init__(self, model: Transformer, config: RunnerConfig, kv_sharding=None):
+    def __init__(self, model: Transformer, config: RunnerConfig, kv_sharding=None, mesh=None):
+        """`mesh` (from `jaxserve.sharding.make_mesh`): lay params, KV pool and step inputs out on it."""
         self.config = config
         self.model_config = model.cfg
+        self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
         dtype = model.embed[...].dtype
+        if mesh is not None:
+            sharding.check_decode_batch(mesh, config.max_slots)
+            self.param_shardings = sharding.param_shardings(self.state, mesh, model.cfg)
+            self.state = sharding.place_tree(self.state, self.param_shardings)
+            kv_sharding = sharding.kv_pool_sharding(mesh, model.cfg)
+            if mesh.size > 1 and config.attention_backend == "pallas":
+                # GSPMD cannot split a Pallas custom call: it would gather the whole pool per device.
+                config = self.config = dataclasses.replace(config, attention_backend="reference")
+        self.kv_sharding = kv_sharding
         self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, dtype, kv_sharding)
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         self.length_buckets = powers_of_two(min(16, config.max_model_len), config.max_model_len)
@@ -118,13 +131,36 @@ class Runner:
     def _run(self, decode: bool, logprobs: bool, tokens, lengths, tables, sampling) -> StepOutput:
         key = (decode, logprobs, tokens.shape, tables.shape)
         compiled = self._compiled.get(key)
-        args = (self.state, self.kv_pool, tokens, lengths, tables, sampling)
+        batch = (tokens, lengths, tables, sampling)
+        if self.mesh is not None:
+            batch = self._place_batch(batch)
+        args = (self.state, self.kv_pool, *batch)
         if compiled is None:
-            compiled = self._jitted.lower(*args, decode=decode, logprobs=logprobs).compile()
+            compiled = self._compile(args, decode, logprobs)
             self._compiled[key] = compiled
         self.kv_pool, out = compiled(*args)
         out = jax.device_get(out)  # the one device-to-host transfer of the step
         return StepOutput(tokens=out[0], logprobs=out[1:] if logprobs else None)
+
+    def _compile(self, args, decode: bool, logprobs: bool):
+        if self.mesh is None:
+            return self._jitted.lower(*args, decode=decode, logprobs=logprobs).compile()
+        # Explicit layouts: params and pool keep theirs (the donated pool comes back in place),
+        # step inputs are split by rows over replicas, and the sampled tokens come back replicated.
+        kv = [(self.kv_sharding, self.kv_sharding)] * len(self.kv_pool)
+        batch = jax.tree.map(lambda x: x.sharding, args[2:])
+        step = jax.jit(functools.partial(self._step, decode=decode, logprobs=logprobs),
+                       in_shardings=(self.param_shardings, kv, *batch),
+                       out_shardings=(kv, sharding.replicated(self.mesh)), donate_argnums=(1,))
+        return step.lower(*args).compile()
+
+    def _place_batch(self, batch):
+        """Host step inputs onto the mesh, rows split over data-parallel replicas; re-places a pool
+        that was allocated without the mesh (e.g. after a failed step)."""
+        if self.kv_pool[0][0].sharding != self.kv_sharding:
+            self.kv_pool = [(sharding.place(k, self.kv_sharding), sharding.place(v, self.kv_sharding))
+                            for k, v in self.kv_pool]
+        return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), batch)
 
     def _step(self, state, kv_pool, tokens, lengths, tables, sampling, *, decode: bool, logprobs: bool):
         """tokens: [B, T]; lengths: [B] tokens per sequence after this step; tables: [B, P]."""
@@ -142,6 +178,22 @@ class Runner:
         if logprobs:
             return kv_pool, (next_tokens, *token_logprobs(logits, next_tokens, self.config.num_logprobs))
         return kv_pool, (next_tokens,)
+
+    def warmup(self) -> int:
+        """Compiles every prefill and decode bucket ahead of time (the null page absorbs the dummy
+        writes); returns how many shapes were new."""
+        before = self.num_compiles
+        greedy = lambda n: _pad_sampling(SamplingBatch(*(np.zeros(0, dt) for dt in (
+            np.float32, np.int32, np.float32, np.float32, np.uint32))), n)
+        for length in self.length_buckets:
+            for batch in powers_of_two(1, self.prefill_batch_size(length)):
+                self.prefill([[0] * length] * batch, np.zeros((batch, self.pages_per_seq), np.int32), greedy(batch))
+        slots = self.config.max_slots
+        for width in self.width_buckets:
+            lengths = np.full(slots, width * self.config.page_size, np.int32)
+            self.decode(np.zeros(slots, np.int32), lengths, np.zeros((slots, self.pages_per_seq), np.int32),
+                        greedy(slots))
+        return self.num_compiles - before
 
 
 def _pad_sampling(sampling: SamplingBatch, size: int) -> SamplingBatch:

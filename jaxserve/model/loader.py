@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from jaxserve.model.checkpoint import is_checkpoint, restore_checkpoint, save_checkpoint
+from jaxserve.model.checkpoint import is_checkpoint, load_config, restore_checkpoint, save_checkpoint
 from jaxserve.model.config import ModelConfig
 from jaxserve.tokenizer import Tokenizer
 
@@ -27,8 +27,10 @@ def cache_root() -> str:
     return os.environ.get("JAXSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve"))
 
 
-def load_model(path: str | None, dtype: str = "float32") -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None, str]:
-    """Returns (config, canonical weights, tokenizer or None, model name)."""
+def load_model(path: str | None, dtype: str = "float32", sharding_for=None
+               ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None, str]:
+    """Returns (config, canonical weights, tokenizer or None, model name). `sharding_for(config)`
+    gives `restore_checkpoint` its per-weight shardings for Orbax checkpoints (jax.Arrays then)."""
     if path is None:
         from jaxserve.model.default_model import NAME, default_model_path, default_model_version
         cache = os.path.join(cache_root(), f"{NAME}-{default_model_version()}-{dtype}")
@@ -42,7 +44,7 @@ def load_model(path: str | None, dtype: str = "float32") -> tuple[ModelConfig, d
         cache = os.path.join(cache_root(), f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}-{dtype}")
         return _load_gguf_cached(cache, lambda: path, dtype) + (name.removesuffix(".gguf"),)
     if is_checkpoint(path):
-        cfg, weights = restore_checkpoint(path, dtype)
+        cfg, weights = restore_checkpoint(path, dtype, sharding_for and sharding_for(load_config(path)))
         return cfg, weights, _tokenizer_in(path), name
     from jaxserve.model.hf_loader import load_hf_checkpoint
     cfg, weights = load_hf_checkpoint(path, dtype)

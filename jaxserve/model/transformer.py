@@ -80,15 +80,16 @@ class Transformer(nnx.Module):
 
 
 def _layer_weights(weights: Mapping[str, np.ndarray], i: int, dtype) -> dict[str, jax.Array]:
-    """One layer's weights, with q/k/v and gate/up fused into single matmuls."""
+    """One layer's weights, with q/k/v and gate/up fused into single matmuls. Fused with jnp, so
+    weights restored already sharded (jax.Arrays) stay on their devices."""
     p = f"layers.{i}."
-    get = lambda name: np.asarray(weights[p + name])
-    w = {"qkv": np.concatenate([get("q_proj"), get("k_proj"), get("v_proj")], axis=1),
-         "gate_up": np.concatenate([get("gate_proj"), get("up_proj")], axis=1)}
+    get = lambda name: jnp.asarray(weights[p + name], dtype)
+    w = {"qkv": jnp.concatenate([get("q_proj"), get("k_proj"), get("v_proj")], axis=1),
+         "gate_up": jnp.concatenate([get("gate_proj"), get("up_proj")], axis=1)}
     if p + "q_bias" in weights:
-        w["qkv_bias"] = np.concatenate([get("q_bias"), get("k_bias"), get("v_bias")])
+        w["qkv_bias"] = jnp.concatenate([get("q_bias"), get("k_bias"), get("v_bias")])
     for name in ("o_proj", "down_proj", "attn_norm", "mlp_norm", "q_norm", "k_norm",
                  "post_attn_norm", "post_mlp_norm"):
         if p + name in weights:
             w[name] = get(name)
-    return {k: jnp.asarray(v, dtype) for k, v in w.items()}
+    return w

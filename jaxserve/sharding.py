@@ -1,0 +1,258 @@
+"""Meshes and PartitionSpecs: how parameters, the KV pool and step inputs are laid out on devices.
+
+This is the only module that names mesh axes (practice 7). Everything else speaks in logical axes,
+and `RULES` maps each logical axis to a mesh axis (or to None: replicated):
+
+    mesh  (data, model)            EngineConfig.mesh, e.g. {"data": 2, "model": 4}
+    params                          Megatron-style tensor parallelism on `model`:
+      embed    [V, D]   vocab on model    (vocab-parallel embedding; tied lm head reuses it)
+      lm_head  [D, V]   vocab on model    (column-parallel logits; argmax reduces per shard)
+      qkv      [D, (H+2N)K]  columns on model       (column-parallel in)
+      out      [H K, D]      rows on model          (row-parallel out: one all-reduce)
+      gate_up  [D, 2F]       columns on model       (column-parallel in)
+      down     [F, D]        rows on model          (row-parallel out: one all-reduce)
+      norms    [D] / [K]     replicated
+    KV pool  per layer [N, M, S, K]: kv heads on model, pages replicated over data
+    step inputs  tokens/lengths/block tables/sampling [B, ...]: batch (slots) on data
+    step outputs sampled tokens (and logprobs) replicated, so every host can read them
+
+Steps are compiled with `jax.jit` and explicit in/out shardings; XLA's GSPMD partitioner inserts
+the collectives. Three choices are worth knowing:
+
+* Fused q|k|v and gate|up. The model fuses q/k/v into one `[D, (H+2N)K]` matrix and gate/up into
+  `[D, 2F]`, then slices the product at H K, (H+N) K and F. A NamedSharding gives each device one
+  contiguous block of columns, so a plain column split does not line up with heads (with 8
+  devices, device 0 holds only q columns) and no column permutation can fix that while the model
+  slices the global array. We accept GSPMD resharding here: XLA inserts collective-permutes after
+  the q/k/v and gate/up slices. `scripts/shard_experiments.py` counts them (README "Sharding"); a
+  replicated fused matrix measured the same collectives, so we keep the memory saving. Removing
+  them needs the model to slice per head group (column order [q heads of group g, k_g, v_g] per kv
+  head, and gate/up interleaved per MLP unit), after which a plain column split is head-aligned.
+* KV pool and `data`. Slots are sharded on `data`, but the pool's pages are replicated over
+  `data` (sharded only by kv heads on `model`). The block manager hands out pages from one
+  global id space and knows nothing of replicas, so any page may belong to any slot; replicating
+  the pool keeps every page readable where its slot runs, and the cost is a small all-gather of
+  each step's new K/V over `data` (XLA makes the replicas' writes agree). A pool whose pages are
+  split across `data` (capacity growing with replicas) needs a replica-aware block manager that
+  hands a slot only pages of its own replica: a change in `batching/`, not here.
+* kv heads that do not divide the model axis (e.g. Gemma 3 270M: one kv head). Every dimension
+  whose unit count (heads, kv heads, MLP units, vocab, batch rows) does not divide its mesh axis
+  is replicated instead of split; GSPMD keeps results exact either way. The decode batch is the
+  exception: `max_slots` must divide by `data` (ValueError), since each replica owns its slots.
+
+Pallas attention kernels are custom calls that GSPMD cannot split (it would gather the whole pool
+onto every device), so the runner uses the `reference` attention under a multi-device mesh.
+Legend: B batch, V vocab, D hidden, H query heads, N kv heads, K head dim, F MLP width,
+M pool pages, S page size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Mapping
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "model")
+
+# Logical axis -> mesh axis (None: replicated). The one table of sharding rules.
+RULES: dict[str, str | None] = {
+    "batch": "data",  # decode slots / prefill rows: each data-parallel replica runs its own
+    "vocab": "model",  # embedding rows, lm-head columns, logits
+    "embed": None,  # hidden size D: replicated, so norms and residual adds need no communication
+    "heads": "model",  # query heads: q columns (H K), o_proj rows
+    "kv_heads": "model",  # kv heads: k/v columns (N K), the KV pool's first axis
+    "qkv": "model",  # fused q|k|v columns ((H + 2N) K)
+    "mlp": "model",  # MLP units F: gate/up columns, down rows
+    "gate_up": "model",  # fused gate|up columns (2F)
+    "head_dim": None,
+    "pages": None,  # KV pool pages: replicated over data (see the module docstring)
+    "page_offset": None,
+    "length": None,  # tokens of a prompt, block-table width
+}
+
+# Logical axes of the model's parameters, by the last two names of their nnx path.
+MODEL_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "attn.qkv": ("embed", "qkv"),
+    "attn.qkv_bias": ("qkv",),
+    "attn.out": ("heads", "embed"),
+    "mlp.gate_up": ("embed", "gate_up"),
+    "mlp.down": ("mlp", "embed"),
+    "q_norm.weight": ("head_dim",),
+    "k_norm.weight": ("head_dim",),
+}
+NORM_AXES = ("embed",)  # every other `*norm.weight`
+
+# Logical axes of the canonical (checkpoint) weights, by name without the `layers.{i}.` prefix.
+CANONICAL_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
+    "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",),
+    "o_proj": ("heads", "embed"),
+    "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed"),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+}
+
+KV_POOL_AXES = ("kv_heads", "pages", "page_offset", "head_dim")  # [N, M, S, K]
+
+
+# ---- the mesh ----
+
+def make_mesh(shape: Mapping[str, int] | None, devices=None) -> Mesh:
+    """A (data, model) mesh from `EngineConfig.mesh`, e.g. {"data": 2, "model": 4}.
+
+    Missing axes have size 1. Uses `devices` (all of them) or else the first data x model devices;
+    raises ValueError on unknown axis names or a device count that does not match.
+    """
+    shape = dict(shape or {})
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unknown mesh axis name(s) {unknown}; the mesh axes are {MESH_AXES}")
+    sizes = tuple(shape.get(axis, 1) for axis in MESH_AXES)
+    if any(not isinstance(s, int) or s <= 0 for s in sizes):
+        raise ValueError(f"mesh axis sizes must be integers > 0, got {shape}")
+    needed = math.prod(sizes)
+    if devices is None:
+        available = jax.devices()
+        if needed > len(available) or (jax.process_count() > 1 and needed != len(available)):
+            raise ValueError(f"mesh {shape} needs {needed} devices (the product of its axis sizes) "
+                             f"but {len(available)} are available across {jax.process_count()} process(es)")
+        devices = available[:needed]
+    elif needed != len(devices):
+        raise ValueError(f"mesh {shape} needs {needed} devices (the product of its axis sizes), "
+                         f"got {len(devices)}")
+    try:
+        grid = mesh_utils.create_device_mesh(sizes, devices=list(devices))  # topology-aware on TPU
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices).reshape(sizes)
+    return Mesh(grid, MESH_AXES)
+
+
+def axis_size(mesh: Mesh, logical: str) -> int:
+    """Devices a logical axis is split over (1 when the rules replicate it)."""
+    axis = RULES[logical]
+    return 1 if axis is None else mesh.shape[axis]
+
+
+def spec(mesh: Mesh, axes: tuple[str | None, ...], units: Mapping[str, int] | None = None,
+         shape: tuple[int, ...] | None = None) -> PartitionSpec:
+    """PartitionSpec for an array whose dims have these logical axes.
+
+    A dim is split only if its unit count (`units[axis]`, e.g. heads for the H K columns; else the
+    dim's size from `shape`) divides by the mesh axis size; otherwise it is replicated.
+    """
+    out = []
+    for i, logical in enumerate(axes):
+        axis = None if logical is None else RULES[logical]
+        if axis is not None:
+            count = (units or {}).get(logical, shape[i] if shape is not None else None)
+            if count is None or count % mesh.shape[axis] or (shape is not None and shape[i] % mesh.shape[axis]):
+                axis = None
+        out.append(axis)
+    return PartitionSpec(*out)
+
+
+def units_of(cfg: ModelConfig) -> dict[str, int]:
+    """How many whole units each logical axis holds: a split never cuts through a head."""
+    h, n = cfg.num_heads, cfg.num_kv_heads
+    return {"vocab": cfg.vocab_size, "heads": h, "kv_heads": n, "qkv": h + 2 * n,
+            "mlp": cfg.intermediate_size, "gate_up": 2 * cfg.intermediate_size, "embed": cfg.hidden_size,
+            "head_dim": cfg.head_dim}
+
+
+# ---- parameters ----
+
+def param_axes(path: tuple[str, ...]) -> tuple[str | None, ...]:
+    """Logical axes of a model parameter from its nnx path, e.g. ("layers", "0", "attn", "qkv")."""
+    names = [p for p in path if p != "value"]
+    for key in (".".join(names[-2:]), names[-1]):
+        if key in MODEL_PARAM_AXES:
+            return MODEL_PARAM_AXES[key]
+    if names[-1] == "weight" and names[-2].endswith("norm"):
+        return NORM_AXES
+    raise ValueError(f"no sharding rule for parameter {'.'.join(names)!r}; add it to MODEL_PARAM_AXES")
+
+
+def param_shardings(state, mesh: Mesh, cfg: ModelConfig):
+    """A pytree like `state` (from `nnx.split`) of NamedShardings, one per parameter."""
+    units = units_of(cfg)
+
+    def one(path, x):
+        names = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        return NamedSharding(mesh, spec(mesh, param_axes(names), units, x.shape))
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def canonical_sharding_for(mesh: Mesh, cfg: ModelConfig) -> Callable[[str, tuple[int, ...]], NamedSharding]:
+    """`sharding_for(name, shape)` for `restore_checkpoint`: each device reads its own shard of
+    every canonical weight (see `jaxserve.model.weights`)."""
+    units = units_of(cfg)
+
+    def sharding_for(name: str, shape: tuple[int, ...]) -> NamedSharding:
+        base = name.split(".")[-1]
+        axes = CANONICAL_AXES.get(base, NORM_AXES if base.endswith("norm") else None)
+        if axes is None:
+            raise ValueError(f"no sharding rule for weight {name!r}; add it to CANONICAL_AXES")
+        return NamedSharding(mesh, spec(mesh, axes, units, shape))
+    return sharding_for
+
+
+# ---- KV pool and step inputs ----
+
+def kv_pool_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
+    """Sharding of each layer's K and V `[N, M, S, K]`: kv heads on `model` when they divide it,
+    else replicated (logged: every model-parallel device then holds the whole pool)."""
+    s = spec(mesh, KV_POOL_AXES, units_of(cfg))
+    if s[0] is None and axis_size(mesh, "kv_heads") > 1:
+        log.warning("%d kv heads do not divide the %d-way model axis: the KV pool is replicated over it",
+                    cfg.num_kv_heads, axis_size(mesh, "kv_heads"))
+    return NamedSharding(mesh, s)
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Rows of a step input `[B, ...]` on `data` when B divides by it, else replicated."""
+    return NamedSharding(mesh, spec(mesh, ("batch",) + (None,) * (len(shape) - 1), shape=shape))
+
+
+def check_decode_batch(mesh: Mesh, max_slots: int) -> None:
+    """Each data-parallel replica owns max_slots / data slots."""
+    replicas = axis_size(mesh, "batch")
+    if max_slots % replicas:
+        raise ValueError(f"max_slots ({max_slots}) must be a multiple of the data-parallel axis size ({replicas})")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """Puts a host or device array into `sharding`, also when the sharding spans other processes
+    (every process passes the same value and provides only its own devices' shards)."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_tree(tree, shardings):
+    return jax.tree.map(place, tree, shardings)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes the first addressable device holds of every array in `tree`."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.addressable_shards[0]
+        total += math.prod(shard.data.shape) * x.dtype.itemsize
+    return total

@@ -1,0 +1,289 @@
+"""Benchmark the five batching strategies on one workload, side by side.
+
+    python scripts/bench_batching.py --num-requests 64 --input-len 32:256 --output-len 128:128 \
+        --strategies none,dynamic,continuous,paged --peer hf --json bench.json --plot bench.png
+
+One process builds one engine; every strategy reuses its model, compiled steps and KV pool
+(`Engine.with_strategy`), so the runs differ in scheduling only. All shapes are compiled before the
+timed runs (the compile time is reported on its own), and each run reports the compiles it caused.
+Requests arrive all at once (`--rate inf`) or as a Poisson process; output lengths are fixed by
+`ignore_eos`. `--peer hf` and `--peer llamacpp` run the same requests through Hugging Face
+transformers (static padded batches) and llama-cpp-python (batched decoding) as baseline rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jaxserve import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]  # seconds after the start
+
+
+def make_workload(args, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    lo, hi = args.input_len
+    olo, ohi = args.output_len
+    n = args.num_requests
+    # Ordinary-vocabulary ids: skip the low ids where special tokens live.
+    prompts = [rng.integers(1000, min(vocab_size, 200_000), size=rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
+    output_lens = rng.integers(olo, ohi + 1, size=n).tolist()
+    if math.isinf(args.rate):
+        arrivals = [0.0] * n
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=n)).tolist()
+    return Workload(prompts, output_lens, arrivals)
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
+    """Replays the workload's arrivals against one strategy; returns its row of figures."""
+    eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms)
+    compiles0, preempt0 = eng.stats()["num_compiles"], eng.stats()["num_preemptions"]
+    page_size = eng.config.page_size
+    order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
+    ids: dict[int, str] = {}
+    next_i, peak, kv_weighted, kv_time = 0, 0, 0.0, 0.0
+    bar = tqdm(total=len(order), desc=f"{strategy:>10}", leave=False, file=sys.stderr)
+    start = time.monotonic()
+    while next_i < len(order) or eng.has_unfinished():
+        now = time.monotonic() - start
+        while next_i < len(order) and work.arrivals[order[next_i]] <= now:
+            # A static payload is the next batch_size requests; it is sent when its last one arrives.
+            if strategy == "static":
+                payload = order[next_i: next_i + args.batch_size]
+                if work.arrivals[payload[-1]] > now:
+                    break
+            else:
+                payload = [order[next_i]]
+            group = next_i  # one group per payload: static runs it as one batch
+            for i in payload:
+                params = SamplingParams(max_tokens=work.output_lens[i], temperature=0, ignore_eos=True)
+                ids[i] = eng.add_request(work.prompts[i], params, group=group,
+                                         arrival_time=start + work.arrivals[i])
+            next_i += len(payload)
+        if not eng.has_unfinished():
+            time.sleep(max(0.0, min(0.01, work.arrivals[order[next_i]] - now)))
+            continue
+        t0 = time.monotonic()
+        done = eng.step()
+        dt = time.monotonic() - t0
+        running = eng.scheduler.running
+        peak = max(peak, len(running))
+        reserved = (eng.blocks.total_pages - eng.blocks.free_pages) * page_size
+        if reserved:
+            kv_weighted += dt * sum(r.num_tokens for r in running) / reserved
+            kv_time += dt
+        bar.update(len(done))
+        if eng.idle:
+            time.sleep(0.0005)
+    bar.close()
+    requests = [eng.request(ids[i]) for i in range(len(order))]
+    makespan = max(r.finish_time for r in requests) - start
+    ttft = [r.first_token_time - r.arrival_time for r in requests]
+    e2e = [r.finish_time - r.arrival_time for r in requests]
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
+            for r in requests if len(r.output_token_ids) > 1]
+    out_tokens = sum(len(r.output_token_ids) for r in requests)
+    stats = eng.stats()
+    assert stats["free_pages"] == stats["total_pages"], "KV pages leaked"
+    return {
+        "strategy": strategy,
+        "requests_per_s": len(requests) / makespan,
+        "output_tokens_per_s": out_tokens / makespan,
+        "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_mean_s": float(np.mean(tpot)), "tpot_p99_s": percentile(tpot, 99),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+        "peak_concurrent": peak,
+        "kv_utilization": kv_weighted / kv_time if kv_time else float("nan"),
+        "preemptions": stats["num_preemptions"] - preempt0,
+        "compiles_during_run": stats["num_compiles"] - compiles0,
+        "makespan_s": makespan,
+    }
+
+
+def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
+    """Hugging Face transformers (float32, torch on CPU): static padded batches of batch_size."""
+    import torch
+    import transformers
+    from jaxserve.model.default_model import default_model_path
+    torch.set_num_threads(os.cpu_count())
+    path = model_path or default_model_path()
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    pad = 0
+    order = list(range(len(work.prompts)))
+    start = time.monotonic()
+    finish, first = {}, {}
+    with torch.no_grad():
+        for b in tqdm(range(0, len(order), args.batch_size), desc="        hf", leave=False, file=sys.stderr):
+            batch = order[b: b + args.batch_size]
+            width = max(len(work.prompts[i]) for i in batch)
+            ids = torch.tensor([[pad] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch])
+            mask = (torch.arange(width)[None] >= torch.tensor([width - len(work.prompts[i]) for i in batch])[:, None]).long()
+            new = max(work.output_lens[i] for i in batch)
+            t0 = time.monotonic()
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=pad)
+            for i in batch:
+                finish[i] = time.monotonic() - start
+                first[i] = t0 - start  # lower bound: HF returns the batch at once
+    makespan = max(finish.values())
+    out_tokens = sum(work.output_lens)
+    e2e = [finish[i] for i in order]
+    return {"strategy": "peer:hf-static", "requests_per_s": len(order) / makespan,
+            "output_tokens_per_s": out_tokens / makespan, "e2e_p50_s": percentile(e2e, 50),
+            "e2e_p99_s": percentile(e2e, 99), "makespan_s": makespan, "peak_concurrent": args.batch_size}
+
+
+def run_llamacpp_peer(model_path: str | None, work: Workload, args) -> dict:
+    """llama-cpp-python on the same GGUF: one batch of up to max_slots sequences decoded together."""
+    from llamacpp_peer import generate_batched
+    from jaxserve.model.default_model import default_model_path
+    path = model_path or default_model_path()
+    if not path.endswith(".gguf"):
+        raise SystemExit("--peer llamacpp needs a .gguf model")
+    start = time.monotonic()
+    finish = generate_batched(path, work.prompts, work.output_lens, max_batch=args.max_slots,
+                              threads=os.cpu_count())
+    makespan = time.monotonic() - start
+    e2e = list(finish)
+    return {"strategy": "peer:llamacpp", "requests_per_s": len(work.prompts) / makespan,
+            "output_tokens_per_s": sum(work.output_lens) / makespan, "e2e_p50_s": percentile(e2e, 50),
+            "e2e_p99_s": percentile(e2e, 99), "makespan_s": makespan,
+            "peak_concurrent": min(args.max_slots, len(work.prompts))}
+
+
+COLUMNS = [("strategy", "strategy", "{}"), ("req/s", "requests_per_s", "{:.2f}"),
+           ("out tok/s", "output_tokens_per_s", "{:.1f}"), ("TTFT mean", "ttft_mean_s", "{:.2f}"),
+           ("TTFT p50", "ttft_p50_s", "{:.2f}"), ("TTFT p99", "ttft_p99_s", "{:.2f}"),
+           ("TPOT mean", "tpot_mean_s", "{:.3f}"), ("TPOT p99", "tpot_p99_s", "{:.3f}"),
+           ("E2E p50", "e2e_p50_s", "{:.2f}"), ("E2E p99", "e2e_p99_s", "{:.2f}"),
+           ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"),
+           ("preempt", "preemptions", "{}"), ("compiles", "compiles_during_run", "{}")]
+
+
+def print_table(rows: list[dict]) -> None:
+    cells = [[title for title, _, _ in COLUMNS]]
+    for row in rows:
+        cells.append([fmt.format(row[key]) if key in row else "-" for _, key, fmt in COLUMNS])
+    widths = [max(len(r[c]) for r in cells) for c in range(len(COLUMNS))]
+    for i, r in enumerate(cells):
+        print("| " + " | ".join(v.rjust(w) for v, w in zip(r, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def plot(rows: list[dict], sweep: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(15 if sweep else 10, 4))
+    names = [r["strategy"] for r in rows]
+    axes[0].bar(names, [r["output_tokens_per_s"] for r in rows])
+    axes[0].set_title("output tokens/s")
+    axes[1].bar(names, [r["e2e_p99_s"] for r in rows], color="tab:orange")
+    axes[1].set_title("end-to-end latency p99 (s)")
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=30)
+    if sweep:
+        for strategy in sorted({r["strategy"] for r in sweep}):
+            points = sorted((r["rate"], r["output_tokens_per_s"]) for r in sweep if r["strategy"] == strategy)
+            axes[2].plot(*zip(*points), marker="o", label=strategy)
+        axes[2].set_xlabel("arrival rate (requests/s)")
+        axes[2].set_title("output tokens/s vs arrival rate")
+        axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate in requests/s (inf: all at once)")
+    p.add_argument("--sweep-rates", default=None, help="comma-separated rates: also plot throughput vs rate")
+    p.add_argument("--input-len", type=parse_range, default=(32, 256), help="MIN:MAX prompt tokens")
+    p.add_argument("--output-len", type=parse_range, default=(128, 128), help="MIN:MAX output tokens")
+    p.add_argument("--strategies", default="none,static,dynamic,continuous,paged")
+    p.add_argument("--peer", default="", help="comma-separated baselines: hf, llamacpp")
+    p.add_argument("--max-slots", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--kv-cache-mb", type=int, default=384, help="one KV budget for every strategy")
+    p.add_argument("--batch-size", type=int, default=16, help="dynamic batch size, static payload and HF batch")
+    p.add_argument("--max-batch-delay-ms", type=float, default=50.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+
+    t0 = time.monotonic()
+    engine = Engine.from_pretrained(args.model, EngineConfig(
+        max_slots=args.max_slots, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb << 20))
+    load_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    engine.runner.warmup()
+    compile_s = time.monotonic() - t0
+    print(f"model {engine.model_name}: loaded in {load_s:.1f} s; {engine.stats()['num_compiles']} shapes "
+          f"compiled in {compile_s:.1f} s; KV pool {engine.stats()['total_pages']} pages of "
+          f"{engine.config.page_size} tokens", file=sys.stderr)
+    work = make_workload(args, engine.model_config.vocab_size)
+    rows = [run_strategy(engine, s, work, args) for s in args.strategies.split(",") if s]
+    peers = [p for p in args.peer.split(",") if p]
+    if "hf" in peers:
+        rows.append(run_hf_peer(args.model, work, args))
+    if "llamacpp" in peers:
+        rows.append(run_llamacpp_peer(args.model, work, args))
+    sweep = []
+    for rate in [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else []:
+        swept = make_workload(argparse.Namespace(**{**vars(args), "rate": rate}), engine.model_config.vocab_size)
+        for s in args.strategies.split(","):
+            sweep.append({"rate": rate, **run_strategy(engine, s, swept, args)})
+    rate = "all at once" if math.isinf(args.rate) else f"Poisson {args.rate}/s"
+    print(f"\n{args.num_requests} requests ({rate}), input {args.input_len[0]}-{args.input_len[1]}, output "
+          f"{args.output_len[0]}-{args.output_len[1]} tokens, max_slots {args.max_slots}, KV budget "
+          f"{args.kv_cache_mb} MiB, compile {compile_s:.0f} s (not timed)\n")
+    print_table(rows)
+    base = next((r for r in rows if r["strategy"] == "none"), None)
+    if base:
+        print("\nvs none: " + ", ".join(f"{r['strategy']} {r['output_tokens_per_s'] / base['output_tokens_per_s']:.1f}x"
+                                        for r in rows if r is not base))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
+                                for k, v in vars(args).items()},
+                       "load_s": load_s, "compile_s": compile_s, "results": rows, "sweep": sweep}, f, indent=2)
+    if args.plot:
+        plot(rows, sweep, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""8 simulated devices == 1 device: greedy tokens under every (data, model) mesh, the layouts of
+params and KV pool, kv heads that do not divide the model axis, and an Orbax save/restore across
+meshes.
+
+The device count of jax's CPU backend is fixed when the backend starts, and other test modules start
+it first with one device, so each check here runs in a fresh subprocess (this file with `--check`)
+with `--xla_force_host_platform_device_count=8`; the parent computes single-device references.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+MESHES = ["1x1", "1x2", "1x4", "1x8", "2x4", "4x2", "8x1"]  # data x model
+PROMPT_LENGTHS = (3, 9, 17, 5, 12, 1)
+
+
+def tiny_config(num_heads=16, num_kv_heads=8):
+    from jaxserve.model.config import ModelConfig
+    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=8, max_position_embeddings=128)
+
+
+def tiny_weights(cfg, seed=0):
+    from jaxserve.model.weights import expected_shapes
+    rng = np.random.RandomState(seed)
+    return {k: (rng.randn(*s) * 0.3).astype(np.float32) for k, s in sorted(expected_shapes(cfg).items())}
+
+
+def engine_config(mesh=None):
+    from jaxserve import EngineConfig
+    return EngineConfig(max_slots=8, page_size=8, num_pages=64, max_model_len=64, mesh=mesh)
+
+
+def mesh_dict(shape: str) -> dict:
+    data, model = map(int, shape.split("x"))
+    return {"data": data, "model": model}
+
+
+def generate(engine) -> list[list[int]]:
+    from jaxserve import SamplingParams
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(3, 250, size=n).tolist() for n in PROMPT_LENGTHS]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+# ---- the parent: one subprocess per check ----
+
+def run_check(*args) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, "--check", *args], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, f"check {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reference_tokens():
+    from jaxserve import Engine
+    cfg = tiny_config()
+    return generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_greedy_tokens_match_one_device(shape, reference_tokens):
+    got = run_check("generate", shape)
+    assert got["tokens"] == reference_tokens
+    assert got["compiles_added_by_repeat"] == 0
+
+
+def test_params_and_kv_pool_are_sharded_as_specified():
+    run_check("layouts")
+
+
+def test_kv_heads_that_do_not_divide_the_model_axis_are_replicated():
+    from jaxserve import Engine
+    cfg = tiny_config(num_heads=8, num_kv_heads=2)
+    expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
+    assert run_check("replicated_kv")["tokens"] == expected
+
+
+def test_bad_meshes_raise_clear_errors():
+    run_check("bad_meshes")
+
+
+def test_orbax_save_then_restore_under_another_mesh(tmp_path, reference_tokens):
+    got = run_check("orbax", str(tmp_path))
+    assert got["tokens"] == reference_tokens
+
+
+# ---- the checks, run in the subprocess ----
+
+def check_generate(shape: str) -> dict:
+    from jaxserve import Engine
+    cfg = tiny_config()
+    engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)))
+    tokens = generate(engine)
+    before = engine.stats()["num_compiles"]
+    assert generate(engine) == tokens
+    return {"tokens": tokens, "compiles_added_by_repeat": engine.stats()["num_compiles"] - before}
+
+
+def shard_shapes(x) -> set[tuple[int, ...]]:
+    return {tuple(s.data.shape) for s in x.addressable_shards}
+
+
+def check_layouts() -> dict:
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from jaxserve import Engine
+    cfg = tiny_config()  # V 256, D 64, F 128, H 16, N 8, K 8
+    engine = Engine(cfg, tiny_weights(cfg), None, engine_config({"data": 2, "model": 4}))
+    runner = engine.runner
+    layer = runner.state["layers"][0]
+    expected = {  # per-device shard shapes on a 4-way model axis; replicated over the 2-way data axis
+        "embed": (runner.state["embed"], (64, 64)),
+        "lm_head": (runner.state["lm_head"], (64, 64)),
+        "qkv": (layer["attn"]["qkv"], (64, (16 + 2 * 8) * 8 // 4)),  # column-parallel in
+        "out": (layer["attn"]["out"], (16 * 8 // 4, 64)),  # row-parallel out
+        "gate_up": (layer["mlp"]["gate_up"], (64, 2 * 128 // 4)),
+        "down": (layer["mlp"]["down"], (128 // 4, 64)),
+        "attn_norm": (layer["attn_norm"]["weight"], (64,)),
+    }
+    for name, (param, shape) in expected.items():
+        assert len(param.addressable_shards) == 8, name
+        assert shard_shapes(param[...]) == {shape}, (name, shard_shapes(param[...]))
+    assert layer["attn"]["qkv"][...].sharding.spec == P(None, "model")
+    assert layer["attn"]["out"][...].sharding.spec == P("model", None)
+
+    def check_pool():
+        for k, v in runner.kv_pool:
+            for a in (k, v):  # [N, M, S, K]: kv heads split 4 ways, pages replicated over data
+                assert a.sharding.spec == P("model", None, None, None), a.sharding
+                assert shard_shapes(a) == {(8 // 4, 64, 8, 8)}
+    check_pool()
+    generate(engine)
+    check_pool()  # the donated pool keeps its layout across steps
+    decode_key = next(k for k in runner._compiled if k[0])
+    tokens_sharding = runner._compiled[decode_key].input_shardings[0][2]
+    assert tokens_sharding.spec == P("data", None), tokens_sharding  # slots split over replicas
+    assert runner._compiled[decode_key].output_shardings[1][0].is_fully_replicated
+    assert jax.device_count() == 8
+    return {}
+
+
+def check_replicated_kv() -> dict:
+    from jax.sharding import PartitionSpec as P
+    from jaxserve import Engine
+    cfg = tiny_config(num_heads=8, num_kv_heads=2)
+    engine = Engine(cfg, tiny_weights(cfg), None, engine_config({"data": 2, "model": 4}))
+    k = engine.runner.kv_pool[0][0]
+    assert k.sharding.spec == P(None, None, None, None) and shard_shapes(k) == {(2, 64, 8, 8)}
+    assert engine.runner.state["layers"][0]["attn"]["out"][...].sharding.spec == P("model", None)  # 8 q heads split
+    return {"tokens": generate(engine)}
+
+
+def check_bad_meshes() -> dict:
+    from jaxserve import Engine
+    from jaxserve.sharding import make_mesh
+    cfg = tiny_config()
+    for mesh, match in [({"data": 2, "tensor": 4}, "unknown mesh axis"), ({"data": 4, "model": 4}, "needs 16 devices"),
+                        ({"data": 3}, "max_slots")]:
+        try:
+            Engine(cfg, tiny_weights(cfg), None, engine_config(mesh))
+        except ValueError as e:
+            assert match in str(e), (mesh, str(e))
+        else:
+            raise AssertionError(f"mesh {mesh} was accepted")
+    import jax
+    try:
+        make_mesh({"data": 2, "model": 2}, devices=jax.devices())
+    except ValueError as e:
+        assert "needs 4 devices" in str(e)
+    else:
+        raise AssertionError("a 2x2 mesh over 8 devices was accepted")
+    return {}
+
+
+def check_orbax(tmp: str) -> dict:
+    import jax
+    from jaxserve import Engine
+    from jaxserve.model.checkpoint import restore_checkpoint, save_checkpoint
+    from jaxserve.sharding import canonical_sharding_for, make_mesh
+    cfg = tiny_config()
+    weights = tiny_weights(cfg)
+    first, second = os.path.join(tmp, "first"), os.path.join(tmp, "second")
+    save_checkpoint(first, cfg, weights)
+    # Restore under a 1x8 mesh (each device reads its shard), save those sharded arrays, restore under 4x2.
+    _, sharded = restore_checkpoint(first, "float32", canonical_sharding_for(make_mesh({"model": 8}), cfg))
+    assert shard_shapes(sharded["layers.0.q_proj"]) == {(64, 16)} and len(sharded["embed"].addressable_shards) == 8
+    save_checkpoint(second, cfg, sharded)
+    mesh = make_mesh({"data": 4, "model": 2})
+    _, again = restore_checkpoint(second, "float32", canonical_sharding_for(mesh, cfg))
+    for name, value in weights.items():
+        assert isinstance(again[name], jax.Array) and again[name].sharding.mesh == mesh
+        np.testing.assert_array_equal(np.asarray(again[name]), value, err_msg=name)  # bit-exact
+    assert shard_shapes(again["layers.1.down_proj"]) == {(64, 64)}
+    engine = Engine.from_pretrained(second, engine_config({"data": 4, "model": 2}))
+    return {"tokens": generate(engine)}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--check"]:
+    sys.path.insert(0, os.getcwd())
+    name, *rest = sys.argv[2:]
+    print(json.dumps(globals()[f"check_{name}"](*rest)))
