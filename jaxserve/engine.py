@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from typing import Iterator, Sequence
@@ -25,9 +26,10 @@ from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutpu
 from jaxserve.batching.block_manager import pages_for
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
+from jaxserve.host_memory import keep_freed_memory
 from jaxserve.kv_pool import allocate_kv_pool, pages_in_budget
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.runner import Runner, RunnerConfig, bucket
 from jaxserve.sampling import SamplingBatch
@@ -46,6 +48,9 @@ class QueueFullError(RuntimeError):
 class Engine:
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], tokenizer: Tokenizer | None,
                  config: EngineConfig | None = None, model_name: str = "model"):
+        keep_freed_memory()  # before jax starts its threads, so they share the tuned heap
+        if jax.config.jax_compilation_cache_dir is None:  # later starts reuse compiled steps
+            jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
         config = config or EngineConfig()
         self.config = config
         self.model_config = model_config
@@ -109,6 +114,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
         """Loads a Hugging Face checkpoint directory, a .gguf file, or (path=None) Gemma 3 270M."""
+        keep_freed_memory()
         config = config or EngineConfig()
         # With a mesh, an Orbax checkpoint is restored straight into sharded arrays.
         sharding_for = (lambda cfg: canonical_sharding_for(make_mesh(config.mesh), cfg)) if config.mesh else None

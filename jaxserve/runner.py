@@ -43,13 +43,13 @@ class StepOutput:
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # chosen [B], top ids/logprobs [B, k]
 
 
-def powers_of_two(low: int, high: int) -> list[int]:
-    """low, 2 low, 4 low, ... and finally high itself."""
+def powers_of_two(low: int, high: int, factor: int = 2) -> list[int]:
+    """low, 2 low, 4 low, ... (or another factor) and finally high itself."""
     sizes = []
     size = low
     while size < high:
         sizes.append(size)
-        size *= 2
+        size *= factor
     return sizes + [high]
 
 
@@ -82,6 +82,9 @@ class Runner:
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         self.length_buckets = powers_of_two(min(16, config.max_model_len), config.max_model_len)
         self.width_buckets = powers_of_two(1, self.pages_per_seq)
+        # Decode runs on the lowest slots that cover every live one (the scheduler fills low slots
+        # first), so a half-empty batch costs half. A mesh splits slots over replicas: all of them.
+        self.slot_buckets = [config.max_slots] if mesh is not None else powers_of_two(1, config.max_slots, factor=4)
         self._compiled: dict[tuple, object] = {}
         self._jitted = jax.jit(self._step, static_argnames=("decode", "logprobs"), donate_argnums=(1,))
 
@@ -121,10 +124,14 @@ class Runner:
 
     def decode(self, tokens: np.ndarray, lengths: np.ndarray, block_tables: np.ndarray,
                sampling: SamplingBatch, logprobs: bool = False) -> StepOutput:
-        """One token for every slot. tokens, lengths: [max_slots] (length 0 marks a free slot);
-        block_tables: [max_slots, pages_per_seq]."""
+        """One token for every live slot. tokens, lengths: [max_slots] (length 0 marks a free slot);
+        block_tables: [max_slots, pages_per_seq]. Returns tokens for the first slots (a bucket
+        covering every live slot)."""
+        live = np.flatnonzero(lengths)
+        n = bucket(int(live[-1]) + 1 if len(live) else 1, self.slot_buckets)
         width = bucket(max(1, -(-int(lengths.max()) // self.config.page_size)), self.width_buckets)
-        return self._run(True, logprobs, tokens[:, None], lengths, block_tables[:, :width], sampling)
+        rows = jax.tree.map(lambda a: a[:n], sampling)
+        return self._run(True, logprobs, tokens[:n, None], lengths[:n], block_tables[:n, :width], rows)
 
     # ---- compilation ----
 
@@ -189,10 +196,12 @@ class Runner:
             for batch in powers_of_two(1, self.prefill_batch_size(length)):
                 self.prefill([[0] * length] * batch, np.zeros((batch, self.pages_per_seq), np.int32), greedy(batch))
         slots = self.config.max_slots
-        for width in self.width_buckets:
-            lengths = np.full(slots, width * self.config.page_size, np.int32)
-            self.decode(np.zeros(slots, np.int32), lengths, np.zeros((slots, self.pages_per_seq), np.int32),
-                        greedy(slots))
+        for n in self.slot_buckets:
+            for width in self.width_buckets:
+                lengths = np.zeros(slots, np.int32)
+                lengths[:n] = width * self.config.page_size
+                self.decode(np.zeros(slots, np.int32), lengths, np.zeros((slots, self.pages_per_seq), np.int32),
+                            greedy(slots))
         return self.num_compiles - before
 
 

@@ -63,7 +63,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
     ids: dict[int, str] = {}
     next_i, peak, kv_weighted, kv_time = 0, 0, 0.0, 0.0
-    bar = tqdm(total=len(order), desc=f"{strategy:>10}", leave=False, file=sys.stderr)
+    bar = tqdm(total=len(order), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
     start = time.monotonic()
     while next_i < len(order) or eng.has_unfinished():
         now = time.monotonic() - start
@@ -139,7 +139,7 @@ def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
     start = time.monotonic()
     finish, first = {}, {}
     with torch.no_grad():
-        for b in tqdm(range(0, len(order), args.batch_size), desc="        hf", leave=False, file=sys.stderr):
+        for b in tqdm(range(0, len(order), args.batch_size), desc="        hf", leave=False, file=sys.stderr, disable=None):
             batch = order[b: b + args.batch_size]
             width = max(len(work.prompts[i]) for i in batch)
             ids = torch.tensor([[pad] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch])
@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     p.add_argument("--peer", default="", help="comma-separated baselines: hf, llamacpp")
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--kv-cache-mb", type=int, default=384, help="one KV budget for every strategy")
+    p.add_argument("--kv-cache-mb", type=int, default=1024, help="one KV budget for every strategy")
     p.add_argument("--batch-size", type=int, default=16, help="dynamic batch size, static payload and HF batch")
     p.add_argument("--max-batch-delay-ms", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)

@@ -12,6 +12,7 @@ sequence length, the block table row and the sampling parameters.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections import deque
 from typing import Callable, Iterable
@@ -84,7 +85,7 @@ class Scheduler:
         self.table = SlotTable(config.max_slots, self.pages_per_seq)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
-        self._free_slots = list(range(config.max_slots - 1, -1, -1))
+        self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
         self.num_preemptions = 0
 
     # ---- queue ----
@@ -139,7 +140,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.slot = self._free_slots.pop()
+            request.slot = heapq.heappop(self._free_slots)
             if request.admit_time is None:
                 request.admit_time = self.clock()
             self.running.append(request)
@@ -161,7 +162,7 @@ class Scheduler:
             request.pages = []
         if request.slot is not None:
             self.table.clear(request.slot)
-            self._free_slots.append(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
             request.slot = None
         if request in self.running:
             self.running.remove(request)

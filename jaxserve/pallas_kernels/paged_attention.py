@@ -281,11 +281,12 @@ def paged_attention_reference(
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     width = block_tables.shape[1] * page_size
+    # Batch dims (kv head, slot) lead every operand, so XLA gathers K/V once and never transposes them.
     k = k_pages[:, block_tables].reshape(kv_heads, slots, width, head_dim)  # [K, S, T*P, D]
     v = v_pages[:, block_tables].reshape(kv_heads, slots, width, head_dim)  # [K, S, T*P, D]
-    qg = q.reshape(slots, kv_heads, group, head_dim).astype(jnp.float32)  # [S, K, G, D]
-    s = jnp.einsum("skgd,kstd->skgt", qg, k.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST) * scale  # [S, K, G, T*P]
+    qg = q.reshape(slots, kv_heads, group, head_dim).swapaxes(0, 1).astype(jnp.float32)  # [K, S, G, D]
+    s = jnp.einsum("ksgd,kstd->ksgt", qg, k.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * scale  # [K, S, G, T*P]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     pos = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, T*P]
@@ -293,12 +294,12 @@ def paged_attention_reference(
     visible = pos <= last
     if sliding_window is not None:
         visible = visible & (pos > last - sliding_window)
-    visible = visible[:, None, None, :]  # [S, 1, 1, T*P]
+    visible = visible[None, :, None, :]  # [1, S, 1, T*P]
     s = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    o = jnp.einsum("skgt,kstd->skgd", p, v.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)  # [S, K, G, D]
-    return o.reshape(slots, q_heads, head_dim).astype(q.dtype)
+    o = jnp.einsum("ksgt,kstd->ksgd", p, v.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)  # [K, S, G, D]
+    return o.swapaxes(0, 1).reshape(slots, q_heads, head_dim).astype(q.dtype)
