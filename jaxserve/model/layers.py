@@ -63,12 +63,13 @@ class MLP(nnx.Module):
     """Gated MLP with gate and up fused into one matmul: down(act(x W_g) * (x W_u))."""
 
     def __init__(self, gate_up: jax.Array, down: jax.Array, activation: str):
-        self.gate_up = nnx.Param(gate_up)  # [D, 2F]
+        self.gate_up = nnx.Param(gate_up)  # [D, F 2]: gate and up interleaved per unit
         self.down = nnx.Param(down)  # [F, D]
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
+        both = (x @ self.gate_up[...]).reshape(*x.shape[:-1], -1, 2)  # [..., F, 2]
+        gate, up = both[..., 0], both[..., 1]
         if self.activation == "silu":
             gate = jax.nn.silu(gate)
         else:
@@ -85,7 +86,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, jax.Array], norm_eps: float):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv = nnx.Param(weights["qkv"])  # [D, (H + 2N) K]
+        self.qkv = nnx.Param(weights["qkv"])  # [D, N (G + 2) K], grouped per kv head
         self.qkv_bias = nnx.Param(weights["qkv_bias"]) if "qkv_bias" in weights else None
         self.out = nnx.Param(weights["o_proj"])  # [H K, D]
         self.q_norm = RMSNorm(weights["q_norm"], norm_eps) if "q_norm" in weights else None
@@ -106,9 +107,9 @@ class Attention(nnx.Module):
         qkv = x @ self.qkv[...]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
-        q = qkv[..., : h * k].reshape(b, t, h, k)
-        key = qkv[..., h * k: (h + n) * k].reshape(b, t, n, k)
-        value = qkv[..., (h + n) * k:].reshape(b, t, n, k)
+        qkv = qkv.reshape(b, t, n, h // n + 2, k)  # per kv head: its query heads, then k, then v
+        q = qkv[..., :-2, :].reshape(b, t, h, k)
+        key, value = qkv[..., -2, :], qkv[..., -1, :]  # [B, T, N, K]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
         q = apply_rope(q, positions, self.inv_freq)

@@ -54,7 +54,7 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(jnp.asarray(weights["lm_head"], dtype))
         self.final_norm = RMSNorm(jnp.asarray(weights["final_norm"], dtype), cfg.rms_norm_eps)
         self.layers = nnx.List([
-            DecoderLayer(cfg, i, _layer_weights(weights, i, dtype)) for i in range(cfg.num_layers)])
+            DecoderLayer(cfg, i, _layer_weights(cfg, weights, i, dtype)) for i in range(cfg.num_layers)])
 
     def __call__(self, tokens, positions, kv_pool: KVPool, block_tables, lengths, *,
                  decode: bool, backend: str = "reference", logits_index=None):
@@ -79,15 +79,26 @@ class Transformer(nnx.Module):
         return logits, new_pool
 
 
-def _layer_weights(weights: Mapping[str, np.ndarray], i: int, dtype) -> dict[str, jax.Array]:
-    """One layer's weights, with q/k/v and gate/up fused into single matmuls. Fused with jnp, so
-    weights restored already sharded (jax.Arrays) stay on their devices."""
+def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, dtype) -> dict[str, jax.Array]:
+    """One layer's weights, with q/k/v and gate/up fused into single matmuls.
+
+    Columns are grouped so that any contiguous split of them is head-aligned, and tensor
+    parallelism needs no reshuffling: qkv as [D, N, G + 2, K] (each kv head's G query heads, then
+    its k and v), gate/up interleaved per MLP unit as [D, F, 2].
+    """
     p = f"layers.{i}."
     get = lambda name: jnp.asarray(weights[p + name], dtype)
-    w = {"qkv": jnp.concatenate([get("q_proj"), get("k_proj"), get("v_proj")], axis=1),
-         "gate_up": jnp.concatenate([get("gate_proj"), get("up_proj")], axis=1)}
+    n, k = cfg.num_kv_heads, cfg.head_dim
+
+    def group(q, key, value):  # [..., H K], [..., N K], [..., N K] -> [..., N (G + 2) K]
+        lead = q.shape[:-1]
+        parts = [q.reshape(*lead, n, -1, k), key.reshape(*lead, n, 1, k), value.reshape(*lead, n, 1, k)]
+        return jnp.concatenate(parts, axis=-2).reshape(*lead, -1)
+
+    w = {"qkv": group(get("q_proj"), get("k_proj"), get("v_proj")),
+         "gate_up": jnp.stack([get("gate_proj"), get("up_proj")], axis=-1).reshape(cfg.hidden_size, -1)}
     if p + "q_bias" in weights:
-        w["qkv_bias"] = jnp.concatenate([get("q_bias"), get("k_bias"), get("v_bias")])
+        w["qkv_bias"] = group(get("q_bias"), get("k_bias"), get("v_bias"))
     for name in ("o_proj", "down_proj", "attn_norm", "mlp_norm", "q_norm", "k_norm",
                  "post_attn_norm", "post_mlp_norm"):
         if p + name in weights:
