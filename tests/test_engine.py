@@ -155,3 +155,16 @@ def test_engine_keeps_serving_after_bad_input(engine):
 def test_missing_model_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         Engine.from_pretrained(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_pallas_backend_in_interpret_mode_gives_the_same_tokens(checkpoints, kind):
+    config = EngineConfig(max_slots=4, page_size=8, num_pages=32, max_model_len=64)
+    work = prompts(4, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # gemma3's window is 8: crossed
+    reference = Engine.from_pretrained(checkpoints(kind), config.replace(attention_backend="reference"))
+    pallas = Engine.from_pretrained(checkpoints(kind), config.replace(attention_backend="pallas"))
+    assert pallas.backend == "pallas"
+    expected = [o.token_ids for o in reference.generate(work, params)]
+    assert [o.token_ids for o in pallas.generate(work, params)] == expected
+    assert_idle(pallas)
