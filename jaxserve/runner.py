@@ -81,7 +81,10 @@ class Runner:
         self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, dtype, kv_sharding)
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         self.length_buckets = powers_of_two(min(16, config.max_model_len), config.max_model_len)
-        self.width_buckets = powers_of_two(1, self.pages_per_seq)
+        # Attention gathers every page up to the width: past 4 pages, step by 4 pages rather than
+        # doubling, so the longest live sequence decides the cost, not the next power of two.
+        self.width_buckets = sorted(set(powers_of_two(1, min(4, self.pages_per_seq))
+                                        + list(range(4, self.pages_per_seq, 4)) + [self.pages_per_seq]))
         # Decode runs on the lowest slots that cover every live one (the scheduler fills low slots
         # first), so a half-empty batch costs half. A mesh splits slots over replicas: all of them.
         self.slot_buckets = [config.max_slots] if mesh is not None else powers_of_two(1, config.max_slots, factor=4)

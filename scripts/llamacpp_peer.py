@@ -19,6 +19,8 @@ def generate_batched(path: str, prompts: list[list[int]], output_lens: list[int]
     import llama_cpp as lc
 
     start = time.monotonic()
+    quiet = lc.llama_log_callback(lambda level, text, user_data: None)  # kept alive until the end
+    lc.llama_log_set(quiet, None)
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
@@ -28,6 +30,7 @@ def generate_batched(path: str, prompts: list[list[int]], output_lens: list[int]
     params.n_batch = params.n_ubatch = n_batch
     params.n_seq_max = min(max_batch, len(prompts))
     params.n_threads = params.n_threads_batch = threads
+    params.kv_unified = True  # one KV buffer shared by all sequences: batched decoding attends in one op
     ctx = lc.llama_init_from_model(model, params)
     memory = lc.llama_get_memory(ctx)
     batch = lc.llama_batch_init(n_batch, 0, 1)

@@ -4,6 +4,7 @@ Prefill logits for every position, then decode steps one token at a time through
 (a permuted block table, pages crossed), must match Hugging Face's full forward within 1e-4.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -54,3 +55,12 @@ def test_missing_and_misshaped_tensors_are_named(checkpoints, tmp_path):
 def test_missing_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_hf_checkpoint(str(tmp_path / "nowhere"))
+
+
+def test_bfloat16_logits_stay_near_float32(checkpoints):
+    path = checkpoints("llama")
+    tokens = np.random.RandomState(0).randint(3, 150, size=20).astype(np.int32)
+    f32 = paged_logits(Transformer(*load_hf_checkpoint(path)), tokens, prompt_len=12)
+    bf16 = paged_logits(Transformer(*load_hf_checkpoint(path, "bfloat16"), dtype=jnp.bfloat16), tokens, prompt_len=12)
+    assert bf16.dtype == np.float32  # logits come back in float32 whatever the weights
+    np.testing.assert_allclose(bf16, f32, atol=0.05 * np.abs(f32).max())

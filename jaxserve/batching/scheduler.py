@@ -109,7 +109,8 @@ class Scheduler:
     def schedule(self) -> Schedule:
         preempted = self._grow_running()
         prefills = [] if preempted else self._admit()
-        decodes = [r for r in self.running if r not in prefills]
+        fresh = set(prefills)  # Requests hash by identity
+        decodes = [r for r in self.running if r not in fresh]
         return Schedule(prefills=prefills, decodes=decodes, preempted=preempted)
 
     def _grow_running(self) -> list[Request]:
