@@ -50,7 +50,7 @@ class SlotTable:
 
     def __init__(self, max_slots: int, pages_per_seq: int):
         self.tokens = np.zeros(max_slots, np.int32)  # last sampled token (not yet in the KV pool)
-        self.lengths = np.zeros(max_slots, np.int32)  # tokens in the sequence, 0 for a free slot
+        self.lengths = np.zeros(max_slots, np.int32)  # tokens in the sequence; 0: free or awaiting prefill
         self.block_tables = np.zeros((max_slots, pages_per_seq), np.int32)  # 0: the null page
         self.temperature = np.zeros(max_slots, np.float32)
         self.top_k = np.zeros(max_slots, np.int32)
@@ -59,13 +59,13 @@ class SlotTable:
         self.seed = np.zeros(max_slots, np.uint32)
 
     def fill(self, slot: int, request: Request) -> None:
+        """Admission: sampling parameters and pages. The slot joins decode steps once its prefill
+        has sampled a token (`Scheduler.update` sets its length)."""
         p = request.params
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[slot] = request.seed
         self.block_tables[slot, : len(request.pages)] = request.pages
-        self.lengths[slot] = request.num_tokens
-        self.tokens[slot] = request.all_token_ids[-1]
 
     def clear(self, slot: int) -> None:
         self.block_tables[slot] = 0
