@@ -7,9 +7,9 @@ and `RULES` maps each logical axis to a mesh axis (or to None: replicated):
     params                          Megatron-style tensor parallelism on `model`:
       embed    [V, D]   vocab on model    (vocab-parallel embedding; tied lm head reuses it)
       lm_head  [D, V]   vocab on model    (column-parallel logits; argmax reduces per shard)
-      qkv      [D, (H+2N)K]  columns on model       (column-parallel in)
+      qkv      [D, N(G+2)K]  columns on model       (column-parallel in, grouped per kv head)
       out      [H K, D]      rows on model          (row-parallel out: one all-reduce)
-      gate_up  [D, 2F]       columns on model       (column-parallel in)
+      gate_up  [D, F 2]      columns on model       (column-parallel in, interleaved per unit)
       down     [F, D]        rows on model          (row-parallel out: one all-reduce)
       norms    [D] / [K]     replicated
     KV pool  per layer [N, M, S, K]: kv heads on model, pages replicated over data
@@ -19,15 +19,11 @@ and `RULES` maps each logical axis to a mesh axis (or to None: replicated):
 Steps are compiled with `jax.jit` and explicit in/out shardings; XLA's GSPMD partitioner inserts
 the collectives. Three choices are worth knowing:
 
-* Fused q|k|v and gate|up. The model fuses q/k/v into one `[D, (H+2N)K]` matrix and gate/up into
-  `[D, 2F]`, then slices the product at H K, (H+N) K and F. A NamedSharding gives each device one
-  contiguous block of columns, so a plain column split does not line up with heads (with 8
-  devices, device 0 holds only q columns) and no column permutation can fix that while the model
-  slices the global array. We accept GSPMD resharding here: XLA inserts collective-permutes after
-  the q/k/v and gate/up slices. `scripts/shard_experiments.py` counts them (README "Sharding"); a
-  replicated fused matrix measured the same collectives, so we keep the memory saving. Removing
-  them needs the model to slice per head group (column order [q heads of group g, k_g, v_g] per kv
-  head, and gate/up interleaved per MLP unit), after which a plain column split is head-aligned.
+* Fused q|k|v and gate|up. The model fuses q/k/v per kv-head group (`[D, N (G + 2) K]`: each kv
+  head's query heads, then its k and v) and interleaves gate/up per MLP unit (`[D, F 2]`), so a
+  contiguous column split hands each device whole groups and units: no columns move between
+  devices, and each layer costs Megatron's two all-reduces. When the kv heads (or MLP units) do not
+  divide the model axis, the fused matrix is replicated instead (see below).
 * KV pool and `data`. Slots are sharded on `data`, but the pool's pages are replicated over
   `data` (sharded only by kv heads on `model`). The block manager hands out pages from one
   global id space and knows nothing of replicas, so any page may belong to any slot; replicating
@@ -70,9 +66,9 @@ RULES: dict[str, str | None] = {
     "embed": None,  # hidden size D: replicated, so norms and residual adds need no communication
     "heads": "model",  # query heads: q columns (H K), o_proj rows
     "kv_heads": "model",  # kv heads: k/v columns (N K), the KV pool's first axis
-    "qkv": "model",  # fused q|k|v columns ((H + 2N) K)
+    "qkv": "model",  # fused q|k|v columns (N groups of (G + 2) K)
     "mlp": "model",  # MLP units F: gate/up columns, down rows
-    "gate_up": "model",  # fused gate|up columns (2F)
+    "gate_up": "model",  # fused gate|up columns (F units of 2)
     "head_dim": None,
     "pages": None,  # KV pool pages: replicated over data (see the module docstring)
     "page_offset": None,
@@ -166,8 +162,9 @@ def spec(mesh: Mesh, axes: tuple[str | None, ...], units: Mapping[str, int] | No
 def units_of(cfg: ModelConfig) -> dict[str, int]:
     """How many whole units each logical axis holds: a split never cuts through a head."""
     h, n = cfg.num_heads, cfg.num_kv_heads
-    return {"vocab": cfg.vocab_size, "heads": h, "kv_heads": n, "qkv": h + 2 * n,
-            "mlp": cfg.intermediate_size, "gate_up": 2 * cfg.intermediate_size, "embed": cfg.hidden_size,
+    # Fused qkv columns come in kv-head groups and gate_up columns in MLP units (see the model).
+    return {"vocab": cfg.vocab_size, "heads": h, "kv_heads": n, "qkv": n,
+            "mlp": cfg.intermediate_size, "gate_up": cfg.intermediate_size, "embed": cfg.hidden_size,
             "head_dim": cfg.head_dim}
 
 
