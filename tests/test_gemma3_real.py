@@ -14,7 +14,7 @@ from jaxserve.model.transformer import Transformer
 
 pytestmark = pytest.mark.slow
 
-LOGIT_TOL = 2e-3  # float32 on both sides; 18 layers of different summation orders
+LOGIT_TOL = 5e-4  # float32 on both sides (measured 6e-5 against logits up to 29)
 NEAR_TIE = 0.05
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of"]
