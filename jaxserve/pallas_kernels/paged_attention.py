@@ -50,6 +50,29 @@ def _dot_precision(dtype) -> lax.Precision | None:
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def online_softmax_init(rows: int, head_dim: int):
+    """(acc [R, D], running max m [R], running sum l [R]) before any key block."""
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_update(s, visible, v, acc, m, l, precision):
+    """Folds one block of keys into the running softmax: scores s [R, L] (float32), visible
+    [R or 1, L], values v [L, D]. Returns the new (acc, m, l)."""
+    s = jnp.where(visible, s, _NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))  # [R]
+    alpha = jnp.exp(m - m_new)  # [R]: rescales what was accumulated under the old max
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # [R, L]
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=jnp.float32)  # [R, D]
+    return acc * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
+
+
+def online_softmax_result(acc, l):
+    """acc / l per row; a row that saw no visible key (l == 0) gets zeros, never 0/0."""
+    return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel (one program per (slot, kv_head))
 # ----------------------------------------------------------------------------------------------
@@ -101,24 +124,10 @@ def _decode_kernel(
         if sliding_window is not None:
             visible = visible & (pos > length - 1 - sliding_window)
         visible = visible[None, :]  # [1, L]
-        s = jnp.where(visible, s, _NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))  # [R]
-        alpha = jnp.exp(m - m_new)  # [R]
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # [R, L]
-        l_new = l * alpha + p.sum(axis=1)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            precision=precision, preferred_element_type=jnp.float32,
-        )  # [R, D]
-        return acc * alpha[:, None] + pv, m_new, l_new
+        return online_softmax_update(s, visible, v, acc, m, l, precision)
 
-    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
-    m0 = jnp.full((rows,), _NEG, jnp.float32)
-    l0 = jnp.zeros((rows,), jnp.float32)
-    acc, _, l = lax.fori_loop(lo, hi, body, (acc0, m0, l0))
-    # A slot with no visible key (length 0) has l == 0: write zeros, never 0/0.
-    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
+    acc, _, l = lax.fori_loop(lo, hi, body, online_softmax_init(rows, head_dim))
+    o_ref[...] = online_softmax_result(acc, l).astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.pallas_kernels.paged_attention import (
-    _MIN_DOT, _NEG, _dot_precision, _is_pow2, _next_pow2, check_options, check_paged_inputs)
+    _MIN_DOT, _dot_precision, _is_pow2, _next_pow2, check_options, check_paged_inputs,
+    online_softmax_init, online_softmax_result, online_softmax_update)
 
 # ----------------------------------------------------------------------------------------------
 # Kernel (one program per (slot, kv_head, query block))
@@ -103,23 +104,10 @@ def _prefill_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]  # [R, L]
         if sliding_window is not None:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = jnp.where(visible, s, _NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))  # [R]
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # [R, L]
-        l_new = l * alpha + p.sum(axis=1)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            precision=precision, preferred_element_type=jnp.float32,
-        )  # [R, D]
-        return acc * alpha[:, None] + pv, m_new, l_new
+        return online_softmax_update(s, visible, v, acc, m, l, precision)
 
-    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
-    m0 = jnp.full((rows,), _NEG, jnp.float32)
-    l0 = jnp.zeros((rows,), jnp.float32)
-    acc, _, l = lax.fori_loop(lo, hi, body, (acc0, m0, l0))
-    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
+    acc, _, l = lax.fori_loop(lo, hi, body, online_softmax_init(rows, head_dim))
+    o_ref[...] = online_softmax_result(acc, l).astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
