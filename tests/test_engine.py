@@ -190,3 +190,19 @@ def test_bfloat16_engine_runs_and_stays_close_to_float32(llama_dir, engine):
     # bfloat16 keeps 8 mantissa bits: the first greedy token of a random tiny model mostly survives.
     assert sum(g.token_ids[0] == e.token_ids[0] for g, e in zip(got, expected)) >= 3
     assert_idle(bf16)
+
+
+def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on(engine, monkeypatch):
+    first = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.step()  # prefill
+    real_decode = engine.runner.decode
+
+    def broken(*args, **kwargs):
+        monkeypatch.setattr(engine.runner, "decode", real_decode)  # fail once
+        raise RuntimeError("device fell over")
+    monkeypatch.setattr(engine.runner, "decode", broken)
+    finished = engine.step()
+    assert [r.request_id for r in finished] == [first] and engine.output(first).finish_reason == "error"
+    engine.release(first)
+    assert_idle(engine)
+    assert engine.generate("the quick", GREEDY)[0].finish_reason == "length"
