@@ -200,7 +200,7 @@ class Engine:
                 self.scheduler.finish(request, FinishReason.ERROR)
                 finished.append(request)
             self._recover_pool()
-        finished += self._apply_stop_strings(schedule.prefills + schedule.decodes)
+        finished += self._apply_stop_strings()
         return finished
 
     def _decode(self, requests: list[Request]) -> list[Request]:
@@ -230,17 +230,18 @@ class Engine:
                                                   _logprob_dicts(out.logprobs, np.arange(len(chunk)), chunk))
         return finished
 
-    def _apply_stop_strings(self, requests: list[Request]) -> list[Request]:
-        """Detokenizes requests that have stop strings and ends those whose text now holds one."""
+    def _apply_stop_strings(self) -> list[Request]:
+        """Detokenizes the requests that have stop strings (only those: no per-slot work for the
+        rest) and ends those whose text now holds one."""
         finished = []
-        for request in requests:
-            detok = self._detok.get(request.request_id)
-            if detok is None or request.request_id in self._stop_cut or not request.output_token_ids:
+        for request_id, detok in self._detok.items():
+            request = self._requests[request_id]
+            if request_id in self._stop_cut or len(request.output_token_ids) == detok.num_added:
                 continue
             detok.add(request.output_token_ids[detok.num_added:])
             cut = min((i for i in (detok.text.find(s) for s in request.params.stop) if i >= 0), default=None)
             if cut is not None:
-                self._stop_cut[request.request_id] = cut
+                self._stop_cut[request_id] = cut
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.STOP)
                     finished.append(request)
@@ -296,10 +297,10 @@ class Engine:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        for prompt, p in zip(prompts, params_list):  # validate all before queueing any
-            self._validate(prompt, p or SamplingParams())
+        # Validate (and tokenize) all before queueing any.
+        token_lists = [self._validate(prompt, p or SamplingParams()) for prompt, p in zip(prompts, params_list)]
         group = next(self._groups)
-        ids = [self.add_request(prompt, p, group=group) for prompt, p in zip(prompts, params_list)]
+        ids = [self.add_request(tokens, p, group=group) for tokens, p in zip(token_lists, params_list)]
         self.run_until(lambda: all(self._requests[i].finished for i in ids))
         outputs = [self.output(i) for i in ids]
         for i in ids:

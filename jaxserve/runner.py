@@ -193,8 +193,8 @@ class Runner:
         """Compiles every prefill and decode bucket ahead of time (the null page absorbs the dummy
         writes); returns how many shapes were new."""
         before = self.num_compiles
-        greedy = lambda n: _pad_sampling(SamplingBatch(*(np.zeros(0, dt) for dt in (
-            np.float32, np.int32, np.float32, np.float32, np.uint32))), n)
+        greedy = lambda n: SamplingBatch(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                                         np.zeros(n, np.float32), np.zeros(n, np.uint32))
         for length in self.length_buckets:
             for batch in powers_of_two(1, self.prefill_batch_size(length)):
                 self.prefill([[0] * length] * batch, np.zeros((batch, self.pages_per_seq), np.int32), greedy(batch))
