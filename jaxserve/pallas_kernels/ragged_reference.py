@@ -1,0 +1,196 @@
+"""Ragged paged attention: the contract every backend meets, its input checks, and the plain-jnp
+implementation that is both the kernels' reference and the engine's attention on CPU.
+
+One call serves a whole engine step: decode rows and prompt chunks of many sequences, flattened
+into one token axis. Sequence s owns the query rows `query_start[s] : query_start[s + 1]` and
+holds `kv_lens[s]` tokens after this step, so its query row i sits at position
+`kv_lens[s] - q_len[s] + i` and sees the keys at positions `<= its own` (and `> own - window`
+with a sliding window). Its keys live in the paged pool, found through `block_tables[s]`; the
+step's new K/V are already written there. Only the first `num_seqs[0]` sequences are real; rows
+that no real sequence owns (token padding) come back as zeros, and so does a row that sees no key.
+
+  q            [T, H, D]     queries, float32 or bfloat16
+  k/v_pages    [N, M, P, D]  one layer of the pool (page 0 is the null page)
+  kv_lens      [S] int32     tokens of each sequence after the step (0 for padding sequences)
+  block_tables [S, W] int32  page ids; entries past a sequence's pages point to page 0
+  query_start  [S + 1] int32 cumulative query rows (non-decreasing, query_start[0] == 0)
+  num_seqs     [1] int32     real sequences (the rest are padding)
+  returns      [T, H, D]     in q's dtype
+
+How the jnp version runs (XLA on CPU): never gathers a sequence's whole history at once. Decode
+rows (one query row) are batched across sequences and a loop walks their pages a block at a time,
+gathering just that block for every sequence, with an online softmax in float32. Prompt chunks
+(more than one row) loop over sequences, then over blocks of `block_q` rows, then over the key
+blocks those rows can see (causal and window bounds), so cost follows the real lengths and the
+block-table width costs nothing.
+Legend: T tokens, H query heads, N kv heads, G = H / N, D head dim, M pool pages, P page size,
+S sequences, W pages per sequence, B pages per key block, L = B P keys per block, Q rows per block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
+KEYS_PER_BLOCK = 64  # L: measured fastest for decode on XLA:CPU (16 to 128 keys tried)
+ROWS_PER_BLOCK = 32  # Q for prompt chunks
+
+
+def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
+                        sliding_window=None, soft_cap=None, *, name: str) -> None:
+    """Shapes, dtypes and options of a ragged attention call; raises ValueError naming the input."""
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"{name}: k_pages and v_pages must both be [kv_heads, pages, page_size, head_dim], "
+                         f"got {k_pages.shape} and {v_pages.shape}")
+    kv_heads, _, _, head_dim = k_pages.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"{name}: q head_dim {q.shape[2]} != k_pages head_dim {head_dim}")
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{name}: query heads {q.shape[1]} are not a multiple of kv heads {kv_heads}")
+    for arr, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+        if arr.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"{name}: {what} must be float32 or bfloat16, got {arr.dtype}")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"{name}: k_pages dtype {k_pages.dtype} != v_pages dtype {v_pages.dtype}")
+    seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else None
+    if seqs is None or kv_lens.dtype != jnp.int32:
+        raise ValueError(f"{name}: kv_lens must be int32 [sequences], got {kv_lens.dtype} {kv_lens.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != seqs or block_tables.dtype != jnp.int32:
+        raise ValueError(f"{name}: block_tables must be int32 [{seqs}, pages_per_seq], "
+                         f"got {block_tables.dtype} {block_tables.shape}")
+    if query_start.shape != (seqs + 1,) or query_start.dtype != jnp.int32:
+        raise ValueError(f"{name}: query_start must be int32 [{seqs + 1}], got {query_start.dtype} {query_start.shape}")
+    if num_seqs.shape != (1,) or num_seqs.dtype != jnp.int32:
+        raise ValueError(f"{name}: num_seqs must be int32 [1], got {num_seqs.dtype} {num_seqs.shape}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{name}: sliding_window must be a positive int or None, got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{name}: soft_cap must be positive or None, got {soft_cap!r}")
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *,
+                                     sm_scale: float | None = None, sliding_window: int | None = None,
+                                     soft_cap: float | None = None, keys_per_block: int = KEYS_PER_BLOCK,
+                                     rows_per_block: int = ROWS_PER_BLOCK) -> jax.Array:
+    """Ragged paged attention in plain jnp (see the module docstring for the contract)."""
+    check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
+                        sliding_window, soft_cap, name="ragged_paged_attention_reference")
+    tokens, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    pages_per_block = max(1, keys_per_block // page_size)  # B
+    width = block_tables.shape[1]
+    padded = -(-width // pages_per_block) * pages_per_block
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded - width)))  # whole blocks: slices never clamp
+    q_len = query_start[1:] - query_start[:-1]  # [S]
+    real = jnp.arange(kv_lens.shape[0]) < num_seqs[0]
+    options = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, pages_per_block=pages_per_block)
+
+    out = jnp.zeros((tokens + rows_per_block, heads, head_dim), jnp.float32)  # spare rows: slices never clamp
+    is_decode = real & (q_len == 1)
+    decoded = _decode_rows(q[jnp.clip(query_start[:-1], 0, tokens - 1)], k_pages, v_pages,
+                           jnp.where(is_decode, kv_lens, 0), tables, **options)  # [S, H, D]
+    out = out.at[jnp.where(is_decode, query_start[:-1], tokens + rows_per_block)].set(decoded, mode="drop")
+    out = _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, real & (q_len > 1),
+                      rows_per_block=rows_per_block, **options)
+    return out[:tokens].astype(q.dtype)
+
+
+def _scores(q, k, scale, soft_cap):
+    """q [..., R, D] . k [..., L, D] in float32 -> [..., R, L], scaled and soft-capped."""
+    s = jnp.einsum("...rd,...ld->...rl", q, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _online_softmax(carry, s, visible, v):
+    """Folds one key block into (acc [..., R, D], max [..., R], sum [..., R]): scores s [..., R, L],
+    visible broadcastable to s, values v [..., L, D]."""
+    acc, m, l = carry
+    s = jnp.where(visible, s, NEG)
+    m_new = jnp.maximum(m, s.max(-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+    pv = jnp.einsum("...rl,...ld->...rd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return acc * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)
+
+
+def _finish(acc, l):
+    """acc / l, and zeros for a row that saw no key."""
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+def _decode_rows(q, k_pages, v_pages, lengths, tables, *, scale, window, soft_cap, pages_per_block):
+    """One query per sequence at position lengths - 1 (0: none). q [S, H, D] -> [S, H, D] float32."""
+    seqs, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    keys = pages_per_block * page_size  # L
+    qg = q.reshape(seqs, kv_heads, heads // kv_heads, head_dim).swapaxes(0, 1).astype(jnp.float32)  # [N, S, G, D]
+    hi = (lengths.max() + keys - 1) // keys
+    lo = 0 if window is None else jnp.where(lengths > 0, jnp.maximum(lengths - window, 0), 1 << 30).min() // keys
+
+    def block(i, carry):
+        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)  # [S, B]
+        k = k_pages[:, pages].reshape(kv_heads, seqs, keys, head_dim)  # [N, S, L, D]
+        v = v_pages[:, pages].reshape(kv_heads, seqs, keys, head_dim)
+        pos = i * keys + jnp.arange(keys)  # [L]
+        visible = pos[None, :] < lengths[:, None]  # [S, L]
+        if window is not None:
+            visible &= pos[None, :] >= lengths[:, None] - window
+        return _online_softmax(carry, _scores(qg, k, scale, soft_cap), visible[None, :, None, :], v)
+
+    init = (jnp.zeros(qg.shape, jnp.float32), jnp.full(qg.shape[:-1], NEG), jnp.zeros(qg.shape[:-1]))
+    acc, _, l = lax.fori_loop(lo, hi, block, init)
+    return _finish(acc, l).swapaxes(0, 1).reshape(seqs, heads, head_dim)
+
+
+def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk, *, rows_per_block,
+                scale, window, soft_cap, pages_per_block):
+    """Writes into out [T + Q, H, D] the rows of every sequence with is_chunk set, Q rows at a time."""
+    tokens, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    group, keys, rows = heads // kv_heads, pages_per_block * page_size, rows_per_block
+    q = jnp.pad(q, ((0, rows), (0, 0), (0, 0)))
+    chunk_seqs = jnp.nonzero(is_chunk, size=is_chunk.shape[0], fill_value=0)[0]
+
+    def sequence(j, out):
+        s = chunk_seqs[j]
+        first, q_len = query_start[s], query_start[s + 1] - query_start[s]
+        start = kv_lens[s] - q_len  # position of the chunk's first row
+        table = tables[s]
+
+        def row_block(b, out):
+            r0 = first + b * rows
+            qb = lax.dynamic_slice_in_dim(q, r0, rows).astype(jnp.float32)  # [Q, H, D]
+            qb = qb.reshape(rows, kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [N, G, Q, D]
+            i = b * rows + jnp.arange(rows)
+            valid = i < q_len
+            q_pos = start + i  # [Q]
+            last = start + jnp.minimum((b + 1) * rows, q_len) - 1
+            hi = last // keys + 1
+            lo = 0 if window is None else jnp.maximum(start + b * rows - window + 1, 0) // keys
+
+            def block(kb, carry):
+                pages = lax.dynamic_slice_in_dim(table, kb * pages_per_block, pages_per_block)  # [B]
+                k = k_pages[:, pages].reshape(kv_heads, 1, keys, head_dim)  # [N, 1, L, D]
+                v = v_pages[:, pages].reshape(kv_heads, 1, keys, head_dim)
+                k_pos = kb * keys + jnp.arange(keys)
+                visible = (k_pos[None, :] <= q_pos[:, None]) & valid[:, None]  # [Q, L]
+                if window is not None:
+                    visible &= k_pos[None, :] > q_pos[:, None] - window
+                return _online_softmax(carry, _scores(qb, k, scale, soft_cap), visible, v)
+
+            init = (jnp.zeros(qb.shape, jnp.float32), jnp.full(qb.shape[:-1], NEG), jnp.zeros(qb.shape[:-1]))
+            acc, _, l = lax.fori_loop(lo, hi, block, init)
+            result = _finish(acc, l).transpose(2, 0, 1, 3).reshape(rows, heads, head_dim)  # [Q, H, D]
+            old = lax.dynamic_slice_in_dim(out, r0, rows)
+            return lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None, None], result, old), r0, axis=0)
+
+        return lax.fori_loop(0, (q_len + rows - 1) // rows, row_block, out)
+
+    return lax.fori_loop(0, is_chunk.sum(), sequence, out)
