@@ -29,8 +29,8 @@ class EngineConfig:
     seed: int = 0
     batch_size: int = 8  # dynamic batching: close a batch at this many requests ...
     max_batch_delay_ms: float = 50.0  # ... or this long after its first request
-    max_prefill_batch: int = 8
-    max_prefill_tokens: int = 4096
+    max_num_batched_tokens: int = 256  # the token budget of one step (see the README for why 256)
+    enable_chunked_prefill: bool = True  # False: a prompt runs whole in one step (the step grows to fit)
     max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
     mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
 
@@ -41,11 +41,16 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        for name in ("max_slots", "page_size", "kv_cache_bytes", "batch_size", "max_prefill_batch",
-                     "max_prefill_tokens", "max_waiting"):
+        for name in ("max_slots", "page_size", "kv_cache_bytes", "batch_size", "max_num_batched_tokens",
+                     "max_waiting"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if self.max_num_batched_tokens < self.max_slots:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
+                             f"({self.max_slots}): every running sequence decodes one token per step")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is the null page), got {self.num_pages!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
@@ -56,6 +61,13 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.mesh is not None and any(not isinstance(v, int) or v <= 0 for v in self.mesh.values()):
             raise ValueError(f"mesh axis sizes must be integers > 0, got {self.mesh!r}")
+
+    def step_token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may run. Without chunked prefill a whole prompt must fit beside every
+        running decode, so the step grows to max_model_len + max_slots."""
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, max_model_len + self.max_slots)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,9 @@
 """The engine: tokenizer, scheduler and runner wired into one loop.
 
     prompt -> tokenizer.encode -> Request -> scheduler.waiting
-    step(): schedule (grow pages / preempt, admit) -> runner.decode for running slots
-            -> runner.prefill for admitted sequences -> scheduler.update (append, retire)
+    step(): scheduler.schedule (grow pages / preempt, admit, fill the token budget: decodes first,
+            then prompt chunks) -> build_step (flat ragged arrays) -> runner.step (one compiled call)
+            -> scheduler.update (advance computed tokens, append sampled ones, retire)
     finished Request -> RequestOutput (text decoded once, stop strings applied while streaming)
 
 The engine is single-threaded: `generate` and `stream` drive `step` themselves; the server drives
@@ -31,8 +32,9 @@ from jaxserve.kv_pool import allocate_kv_pool, pages_in_budget
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
-from jaxserve.runner import Runner, RunnerConfig, bucket
+from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
+from jaxserve.step_batch import ScheduledSeq, build_step
 from jaxserve.sharding import canonical_sharding_for, make_mesh
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -72,16 +74,21 @@ class Engine:
         self.runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
-            max_prefill_batch=config.max_prefill_batch, max_prefill_tokens=config.max_prefill_tokens,
-            num_logprobs=MAX_LOGPROBS), mesh=make_mesh(config.mesh) if config.mesh else None)
+            max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS), mesh=make_mesh(config.mesh) if config.mesh else None)
         self._reset_scheduler()
 
     def _reset_scheduler(self) -> None:
         """A fresh block manager and scheduler for `self.config` over the runner's pool."""
         config = self.config
+        budget = config.step_token_budget(self.max_model_len)
+        if budget > self.runner.config.max_num_batched_tokens:
+            raise ValueError(f"a step of {budget} tokens exceeds the compiled steps' "
+                             f"{self.runner.config.max_num_batched_tokens}: build a new engine for this budget")
         self.blocks = BlockManager(self.runner.config.num_pages, config.page_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
+                            max_num_batched_tokens=budget,
+                            enable_chunked_prefill=config.enable_chunked_prefill,
                             eos_token_ids=self.model_config.eos_token_ids),
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
@@ -96,9 +103,9 @@ class Engine:
         self.num_errors = 0
 
     def with_strategy(self, strategy: str, **changes) -> "Engine":
-        """A new engine with another batching strategy (and policy options such as batch_size)
-        that shares this one's model, compiled steps and KV pool: benchmarks compare strategies
-        and nothing else. Use one of the two at a time."""
+        """A new engine with another batching strategy (and scheduling options such as batch_size or
+        a smaller max_num_batched_tokens) that shares this one's model, compiled steps and KV pool:
+        benchmarks compare strategies and nothing else. Use one of the two at a time."""
         if self.has_unfinished():
             raise RuntimeError("with_strategy needs an idle engine")
         config = self.config.replace(strategy=strategy, **changes)
@@ -184,51 +191,35 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """One scheduler iteration; returns the requests that finished during it."""
+        """One scheduler iteration (one compiled call); returns the requests that finished during it."""
         schedule = self.scheduler.schedule()
         self.idle = schedule.empty
         finished: list[Request] = []
-        try:
-            if schedule.decodes:
-                finished += self._decode(schedule.decodes)
-            if schedule.prefills:
-                finished += self._prefill(schedule.prefills)
-        except Exception:  # keep serving: the step's requests end with `error`, the rest go on
-            log.exception("engine step failed")
-            self.num_errors += 1
-            for request in schedule.prefills + schedule.decodes:
-                self.scheduler.finish(request, FinishReason.ERROR)
-                finished.append(request)
-            self._recover_pool()
+        if not schedule.empty:
+            try:
+                finished += self._run(schedule)
+            except Exception:  # keep serving: the step's requests end with `error`, the rest go on
+                log.exception("engine step failed")
+                self.num_errors += 1
+                for request in schedule.num_tokens:
+                    self.scheduler.finish(request, FinishReason.ERROR)
+                    finished.append(request)
+                self._recover_pool()
         finished += self._apply_stop_strings()
         return finished
 
-    def _decode(self, requests: list[Request]) -> list[Request]:
+    def _run(self, schedule) -> list[Request]:
+        requests = list(schedule.num_tokens)
+        seqs = [ScheduledSeq(r.slot, r.num_computed_tokens,
+                             r.token_ids(r.num_computed_tokens, r.num_computed_tokens + n))
+                for r, n in schedule.num_tokens.items()]
         table = self.scheduler.table
-        want_logprobs = any(r.params.logprobs is not None for r in requests)
-        out = self.runner.decode(table.tokens, table.lengths, table.block_tables, SamplingBatch.from_table(table),
-                                 logprobs=want_logprobs)
-        rows = np.fromiter((r.slot for r in requests), np.int32, len(requests))
-        return self.scheduler.update(requests, out.tokens[rows], _logprob_dicts(out.logprobs, rows, requests))
-
-    def _prefill(self, requests: list[Request]) -> list[Request]:
-        """Prefills admitted sequences in batches of one length bucket each."""
-        finished = []
-        by_bucket: dict[int, list[Request]] = {}
-        for r in requests:
-            by_bucket.setdefault(bucket(r.num_tokens, self.runner.length_buckets), []).append(r)
-        table = self.scheduler.table
-        for length, group in sorted(by_bucket.items()):
-            size = self.runner.prefill_batch_size(length)
-            for i in range(0, len(group), size):
-                chunk = group[i: i + size]
-                rows = np.fromiter((r.slot for r in chunk), np.int32, len(chunk))
-                out = self.runner.prefill([r.all_token_ids for r in chunk], table.block_tables[rows],
-                                          SamplingBatch.from_table(table, rows),
-                                          logprobs=any(r.params.logprobs is not None for r in chunk))
-                finished += self.scheduler.update(chunk, out.tokens,
-                                                  _logprob_dicts(out.logprobs, np.arange(len(chunk)), chunk))
-        return finished
+        batch = build_step(seqs, table.block_tables, SamplingBatch.from_table(table), self.config.page_size,
+                           self.runner.buckets, self.runner.replicas)
+        want_logprobs = any(r.params.logprobs is not None and schedule.samples(r) for r in requests)
+        out = self.runner.step(batch, logprobs=want_logprobs)
+        return self.scheduler.update(schedule, out.tokens[batch.rows],
+                                     _logprob_dicts(out.logprobs, batch.rows, requests))
 
     def _apply_stop_strings(self) -> list[Request]:
         """Detokenizes the requests that have stop strings (only those: no per-slot work for the

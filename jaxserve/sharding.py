@@ -13,7 +13,8 @@ and `RULES` maps each logical axis to a mesh axis (or to None: replicated):
       down     [F, D]        rows on model          (row-parallel out: one all-reduce)
       norms    [D] / [K]     replicated
     KV pool  per layer [N, M, S, K]: kv heads on model, pages replicated over data
-    step inputs  tokens/lengths/block tables/sampling [B, ...]: batch (slots) on data
+    step inputs  flat tokens and per-sequence metadata: one equal slice per data replica, on data
+    attention    per shard (shard_map): each replica's sequences, kv heads (with their query heads) on model
     step outputs sampled tokens (and logprobs) replicated, so every host can read them
 
 Steps are compiled with `jax.jit` and explicit in/out shardings; XLA's GSPMD partitioner inserts
@@ -33,17 +34,21 @@ the collectives. Three choices are worth knowing:
   hands a slot only pages of its own replica: a change in `batching/`, not here.
 * kv heads that do not divide the model axis (e.g. Gemma 3 270M: one kv head). Every dimension
   whose unit count (heads, kv heads, MLP units, vocab, batch rows) does not divide its mesh axis
-  is replicated instead of split; GSPMD keeps results exact either way. The decode batch is the
+  is replicated instead of split; GSPMD keeps results exact either way. Sequences are the
   exception: `max_slots` must divide by `data` (ValueError), since each replica owns its slots.
 
-Pallas attention kernels are custom calls that GSPMD cannot split (it would gather the whole pool
-onto every device), so the runner uses the `reference` attention under a multi-device mesh.
+Attention runs per shard through `shard_map` (`per_shard_attention`), since GSPMD cannot split a
+Pallas kernel (it would gather the whole pool onto every device) nor the reference's loops over
+sequences: each device attends for its replica's sequences with its own kv heads and their query
+heads. When the kv heads do not divide `model`, the pool and the query heads are whole on every
+`model` device and attention is repeated there.
 Legend: B batch, V vocab, D hidden, H query heads, N kv heads, K head dim, F MLP width,
 M pool pages, S page size.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Callable, Mapping
@@ -54,6 +59,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.paged_attention import StepMetadata
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +228,29 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, spec(mesh, ("batch",) + (None,) * (len(shape) - 1), shape=shape))
 
 
-def check_decode_batch(mesh: Mesh, max_slots: int) -> None:
-    """Each data-parallel replica owns max_slots / data slots."""
+def check_replicas(mesh: Mesh, max_slots: int) -> int:
+    """Data-parallel replicas of a step; each one owns max_slots / replicas slots."""
     replicas = axis_size(mesh, "batch")
     if max_slots % replicas:
         raise ValueError(f"max_slots ({max_slots}) must be a multiple of the data-parallel axis size ({replicas})")
+    return replicas
+
+
+def per_shard_attention(attend, mesh: Mesh, cfg: ModelConfig):
+    """`attend` run per shard: tokens and sequence metadata split by replica on `data`, the pool's
+    kv heads and their query heads on `model` (or both whole when the kv heads do not divide it)."""
+    pool = kv_pool_sharding(mesh, cfg).spec
+    rows = RULES["batch"]
+    q_spec = PartitionSpec(rows, pool[0], None)
+    meta_spec = StepMetadata(positions=PartitionSpec(rows), slot_mapping=PartitionSpec(rows),
+                             kv_lens=PartitionSpec(rows), block_tables=PartitionSpec(rows, None),
+                             query_start=PartitionSpec(rows), num_seqs=PartitionSpec(rows))
+
+    def sharded(q, k_pool, v_pool, meta, **options):
+        local = functools.partial(attend, **options)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, pool, pool, meta_spec), out_specs=q_spec,
+                             check_vma=False)(q, k_pool, v_pool, meta)
+    return sharded
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,25 +1,47 @@
 """Helpers shared by the model tests."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.kv_pool import allocate_kv_pool
 from jaxserve.model.transformer import Transformer
+from jaxserve.pallas_kernels.backend import attention_fn
+from jaxserve.sampling import SamplingBatch
+from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
 
 PAGE = 8
 
 
-def paged_logits(model: Transformer, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Logits [len(tokens), V]: prefill of the prompt, then one decode step per further token."""
+def run_chunk(model, pool, table, start, tokens, backend="reference"):
+    """One step of one sequence: `tokens` at positions start.. through the pool. Returns
+    (logits [len(tokens), V], pool)."""
+    greedy = SamplingBatch(*(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
+    batch = build_step([ScheduledSeq(0, start, list(tokens))], table, greedy, PAGE,
+                       StepBuckets(max_tokens=len(tokens), max_seqs=1))
+    graphdef, state = nnx.split(model)
+    logits, pool = _forward(graphdef, backend, state, batch.tokens, pool, batch.meta)
+    return np.asarray(logits[: len(tokens)]), pool
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(graphdef, backend, state, tokens, pool, meta):
+    return nnx.merge(graphdef, state)(tokens, pool, meta, attend=attention_fn(backend))
+
+
+def paged_logits(model: Transformer, tokens: np.ndarray, prompt_len: int, chunk: int | None = None) -> np.ndarray:
+    """Logits [len(tokens), V]: the prompt in chunks of `chunk` tokens (default: whole), then one
+    decode step per further token, through a permuted block table."""
     pages_needed = -(-len(tokens) // PAGE)
     pool = allocate_kv_pool(model.cfg, 32, PAGE, jnp.float32)
     table = np.random.RandomState(1).permutation(np.arange(1, 32))[:pages_needed][None].astype(np.int32)
-    positions = np.arange(prompt_len, dtype=np.int32)[None]
-    logits, pool = model(tokens[None, :prompt_len], positions, pool, table, np.array([prompt_len], np.int32),
-                         decode=False)
-    rows = [np.asarray(logits[0])]
-    for t in range(prompt_len, len(tokens)):
-        logits, pool = model(tokens[None, t: t + 1], np.array([[t]], np.int32), pool, table,
-                             np.array([t + 1], np.int32), decode=True)
-        rows.append(np.asarray(logits[0]))
+    steps = [(s, min(s + (chunk or prompt_len), prompt_len)) for s in range(0, prompt_len, chunk or prompt_len)]
+    steps += [(t, t + 1) for t in range(prompt_len, len(tokens))]
+    rows = []
+    for start, stop in steps:
+        logits, pool = run_chunk(model, pool, table, start, tokens[start:stop])
+        rows.append(logits)
     return np.concatenate(rows)

@@ -139,6 +139,8 @@ def test_bad_sampling_params_raise_value_error(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(strategy="turbo"), "strategy"), (dict(dtype="float16"), "dtype"), (dict(max_slots=0), "max_slots"),
     (dict(num_pages=1), "num_pages"), (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(max_num_batched_tokens=16, max_slots=32), "max_num_batched_tokens"),
+    (dict(enable_chunked_prefill=1), "enable_chunked_prefill"),
 ])
 def test_bad_engine_config_raises_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -193,16 +195,22 @@ def test_bfloat16_engine_runs_and_stays_close_to_float32(llama_dir, engine):
 
 
 def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on(engine, monkeypatch):
-    first = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    engine.step()  # prefill
-    real_decode = engine.runner.decode
+    small = engine.with_strategy("paged", max_num_batched_tokens=16)
+    first = small.add_request(prompts(1)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    small.step()  # prefill
+    second = small.add_request(list(range(3, 43)), SamplingParams(max_tokens=5))  # 40 tokens: 3 chunks
+    small.step()
+    assert small.request(second).num_computed_tokens == 15  # in the middle of its prefill
+    real_step = small.runner.step
 
     def broken(*args, **kwargs):
-        monkeypatch.setattr(engine.runner, "decode", real_decode)  # fail once
+        monkeypatch.setattr(small.runner, "step", real_step)  # fail once
         raise RuntimeError("device fell over")
-    monkeypatch.setattr(engine.runner, "decode", broken)
-    finished = engine.step()
-    assert [r.request_id for r in finished] == [first] and engine.output(first).finish_reason == "error"
-    engine.release(first)
-    assert_idle(engine)
-    assert engine.generate("the quick", GREEDY)[0].finish_reason == "length"
+    monkeypatch.setattr(small.runner, "step", broken)
+    finished = small.step()
+    assert [r.request_id for r in finished] == [first, second]
+    assert [small.output(i).finish_reason for i in (first, second)] == ["error", "error"]
+    small.release(first)
+    small.release(second)
+    assert_idle(small)
+    assert small.generate("the quick", GREEDY)[0].finish_reason == "length"

@@ -1,7 +1,8 @@
 """The Flax model against Hugging Face transformers on tiny random checkpoints (float32).
 
-Prefill logits for every position, then decode steps one token at a time through the paged pool
-(a permuted block table, pages crossed), must match Hugging Face's full forward within 1e-4.
+Prefill logits for every position (the prompt whole, or in chunks whose edges fall inside pages
+or on them), then decode steps one token at a time through the paged pool (a permuted block
+table, pages crossed), must match Hugging Face's full forward within 1e-4.
 """
 
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ from jaxserve.model.transformer import Transformer
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "gemma3"])
-def test_logits_match_hugging_face(checkpoints, kind):
+@pytest.mark.parametrize("kind,chunk", [("llama", None), ("llama3", None), ("qwen2", None), ("qwen3", None),
+                                        ("gemma3", None), ("llama", 5), ("qwen3", 8), ("gemma3", 3), ("gemma3", 8)])
+def test_logits_match_hugging_face(checkpoints, kind, chunk):
     path = checkpoints(kind)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     cfg, weights = load_hf_checkpoint(path)
@@ -26,7 +28,7 @@ def test_logits_match_hugging_face(checkpoints, kind):
     tokens = np.random.RandomState(0).randint(3, cfg.vocab_size, size=30).astype(np.int32)
     with torch.no_grad():
         expected = hf(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
-    got = paged_logits(model, tokens, prompt_len=19)  # 19 and 30 tokens cross 8-token pages
+    got = paged_logits(model, tokens, prompt_len=19, chunk=chunk)  # 19 and 30 tokens cross 8-token pages
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
     if kind == "gemma3":
         assert len(tokens) > cfg.layer_windows[0], "the sequence must be longer than the sliding window"

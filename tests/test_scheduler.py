@@ -1,5 +1,5 @@
-"""Scheduler and batching policies with a fake runner and an injectable clock: exact schedules,
-in milliseconds, without jax."""
+"""Scheduler and batching policies with a fake runner and an injectable clock: exact schedules
+({request: tokens this step}), in milliseconds, without jax."""
 
 import subprocess
 import sys
@@ -20,11 +20,13 @@ class Clock:
         return self.now
 
 
-def make(strategy="paged", num_pages=9, page_size=4, max_slots=4, max_model_len=16, **policy):
+def make(strategy="paged", num_pages=9, page_size=4, max_slots=4, max_model_len=16, budget=64, chunked=True,
+         **policy):
     clock = Clock()
     blocks = BlockManager(num_pages, page_size)
-    sched = Scheduler(SchedulerConfig(max_slots=max_slots, max_model_len=max_model_len, eos_token_ids=(EOS,)),
-                      blocks, make_policy(strategy, **policy), clock)
+    config = SchedulerConfig(max_slots=max_slots, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                             enable_chunked_prefill=chunked, eos_token_ids=(EOS,))
+    sched = Scheduler(config, blocks, make_policy(strategy, **policy), clock)
     return sched, blocks, clock
 
 
@@ -36,8 +38,7 @@ def req(rid, length, max_tokens=4, group=0, arrival=0.0, **params):
 def run_step(sched):
     """One engine iteration with a fake runner whose next token is the last token + 1."""
     s = sched.schedule()
-    reqs = s.decodes + s.prefills
-    sched.update(reqs, np.array([r.all_token_ids[-1] + 1 for r in reqs]))
+    sched.update(s, np.array([r.all_token_ids[-1] + 1 for r in s.num_tokens]))
     return s
 
 
@@ -45,15 +46,20 @@ def ids(requests):
     return [r.request_id for r in requests]
 
 
+def tokens(s):
+    """The schedule as {request id: tokens}, in schedule order."""
+    return {r.request_id: n for r, n in s.num_tokens.items()}
+
+
 def test_paged_admits_as_many_as_pages_allow():
     sched, blocks, _ = make(num_pages=9, page_size=4)  # 8 usable pages
     for rid, n in [("a", 5), ("b", 8), ("c", 4), ("d", 3)]:  # 2 + 2 + 1 + 1 pages
         sched.add(req(rid, n))
     s = sched.schedule()
-    assert ids(s.prefills) == ["a", "b", "c", "d"] and s.decodes == []
+    assert tokens(s) == {"a": 5, "b": 8, "c": 4, "d": 3} and ids(s.admitted) == ["a", "b", "c", "d"]
     assert blocks.free_pages == 2
-    assert [r.pages for r in s.prefills] == [[1, 2], [3, 4], [5], [6]]
-    assert sched.table.block_tables[s.prefills[1].slot, :2].tolist() == [3, 4]
+    assert [r.pages for r in s.admitted] == [[1, 2], [3, 4], [5], [6]]
+    assert sched.table.block_tables[s.admitted[1].slot, :2].tolist() == [3, 4]
 
 
 def test_paged_stops_admitting_when_pages_run_out():
@@ -61,7 +67,7 @@ def test_paged_stops_admitting_when_pages_run_out():
     for rid, n in [("a", 8), ("b", 5), ("c", 1)]:
         sched.add(req(rid, n))
     s = sched.schedule()
-    assert ids(s.prefills) == ["a", "b"] and ids(sched.waiting) == ["c"]  # FIFO: c waits behind b's pages
+    assert tokens(s) == {"a": 8, "b": 5} and ids(sched.waiting) == ["c"]  # FIFO: c waits behind b's pages
 
 
 def test_growth_preempts_most_recent_and_recomputes():
@@ -70,13 +76,14 @@ def test_growth_preempts_most_recent_and_recomputes():
     sched.add(req("b", 4, max_tokens=8))
     run_step(sched)  # prefill both: 1 page each, 5 tokens each after sampling
     s = run_step(sched)  # each grows to a 2nd page for token 5
-    assert ids(s.decodes) == ["a", "b"] and blocks.free_pages == 0
+    assert tokens(s) == {"a": 1, "b": 1} and blocks.free_pages == 0
     for _ in range(4):
         s = run_step(sched)
     # a needs a 3rd page at 9 tokens: none free, so b (admitted last) is preempted.
-    assert ids(s.preempted) == ["b"] and ids(s.decodes) == ["a"] and ids(sched.waiting) == ["b"]
+    assert ids(s.preempted) == ["b"] and tokens(s) == {"a": 1} and ids(sched.waiting) == ["b"]
     b = sched.waiting[0]
-    assert b.pages == [] and b.num_preemptions == 1 and b.output_token_ids == [5, 6, 7, 8, 9]
+    assert b.pages == [] and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert b.output_token_ids == [5, 6, 7, 8, 9]
     while sched.has_unfinished():
         run_step(sched)
     a_out = list(range(5, 13))
@@ -84,12 +91,74 @@ def test_growth_preempts_most_recent_and_recomputes():
     assert blocks.free_pages == blocks.total_pages and sched.num_preemptions == 1
 
 
+def test_budget_goes_to_decodes_first_then_chunks_a_long_prompt():
+    sched, blocks, _ = make(num_pages=33, page_size=4, max_slots=4, max_model_len=64, budget=8)
+    sched.add(req("a", 2, max_tokens=20))
+    sched.add(req("b", 3, max_tokens=20))
+    assert tokens(run_step(sched)) == {"a": 2, "b": 3}
+    sched.add(req("c", 20, max_tokens=2))
+    a, b = sched.running
+    schedules = []
+    while "c" not in [r.request_id for r in sched.running] or sched.running[2].num_uncomputed_tokens > 1:
+        before = (a.num_tokens, b.num_tokens)
+        schedules.append(tokens(run_step(sched)))
+        assert (a.num_tokens, b.num_tokens) == (before[0] + 1, before[1] + 1)  # every step, a decode each
+    assert schedules == [{"a": 1, "b": 1, "c": 6}, {"a": 1, "b": 1, "c": 6}, {"a": 1, "b": 1, "c": 6},
+                         {"a": 1, "b": 1, "c": 2}]
+    c = sched.running[2]
+    assert c.output_token_ids == [21] and c.num_computed_tokens == 20
+    assert tokens(run_step(sched)) == {"a": 1, "b": 1, "c": 1}
+
+
+@pytest.mark.parametrize("chunked,expected", [
+    (True, [{"a": 1, "b": 1, "c": 20, "d": 2}, {"a": 1, "b": 1, "c": 1, "d": 8}]),
+    (False, [{"a": 1, "b": 1, "c": 20}, {"a": 1, "b": 1, "c": 1, "d": 10}]),
+])
+def test_without_chunking_a_prompt_runs_whole(chunked, expected):
+    sched, _, _ = make(num_pages=33, page_size=4, max_slots=4, max_model_len=64, budget=24, chunked=chunked)
+    sched.add(req("a", 2, max_tokens=20))
+    sched.add(req("b", 3, max_tokens=20))
+    run_step(sched)
+    sched.add(req("c", 20))
+    sched.add(req("d", 10))
+    assert [tokens(run_step(sched)) for _ in expected] == expected
+
+
+def test_preemption_in_the_middle_of_a_prefill_frees_its_pages():
+    sched, blocks, _ = make(num_pages=8, page_size=4, max_slots=2, max_model_len=32, budget=8)  # 7 usable
+    sched.add(req("a", 4, max_tokens=8))
+    sched.add(req("b", 24, max_tokens=4))
+    assert tokens(run_step(sched)) == {"a": 4, "b": 4} and blocks.free_pages == 0  # 1 + 6 pages
+    b = sched.running[1]
+    s = run_step(sched)  # a's 5th token needs a 2nd page: b, mid-prefill, gives its pages back
+    assert ids(s.preempted) == ["b"] and tokens(s) == {"a": 1}
+    assert b.pages == [] and b.num_computed_tokens == 0 and ids(sched.waiting) == ["b"] and blocks.free_pages == 5
+    steps = []
+    while sched.has_unfinished():
+        steps.append(tokens(run_step(sched)))
+    # b waits for a's last 6 decodes (it needs 6 pages), then prefills again from its first token.
+    assert steps == [{"a": 1}] * 6 + [{"b": 8}, {"b": 8}, {"b": 8}, {"b": 1}, {"b": 1}, {"b": 1}]
+    assert b.output_token_ids == [25, 26, 27, 28] and b.finish_reason.value == "length"
+    assert blocks.free_pages == blocks.total_pages
+
+
+def test_abort_in_the_middle_of_a_prefill_frees_its_pages():
+    sched, blocks, _ = make(num_pages=33, page_size=4, max_slots=2, max_model_len=32, budget=8)
+    sched.add(req("a", 2, max_tokens=10))
+    sched.add(req("b", 24))
+    assert tokens(run_step(sched)) == {"a": 2, "b": 6}
+    b = sched.abort("b")
+    assert b.finish_reason.value == "abort" and b.pages == [] and ids(sched.running) == ["a"]
+    assert blocks.free_pages == blocks.total_pages - 1  # only a's page
+    assert tokens(run_step(sched)) == {"a": 1}
+
+
 def test_continuous_reserves_the_full_context():
     sched, blocks, _ = make("continuous", num_pages=9, page_size=4, max_model_len=16)  # 4 pages per sequence
     for rid in "abc":
         sched.add(req(rid, 2))
     s = sched.schedule()
-    assert ids(s.prefills) == ["a", "b"] and blocks.free_pages == 0
+    assert tokens(s) == {"a": 2, "b": 2} and blocks.free_pages == 0
 
 
 def test_continuous_admits_as_soon_as_a_slot_frees():
@@ -98,17 +167,15 @@ def test_continuous_admits_as_soon_as_a_slot_frees():
     sched.add(req("b", 2, max_tokens=5))
     sched.add(req("c", 2, max_tokens=5))
     s = run_step(sched)  # a finishes at its first token
-    assert ids(s.prefills) == ["a", "b"] and sched.waiting[0].request_id == "c"
-    s = run_step(sched)
-    assert ids(s.prefills) == ["c"] and ids(s.decodes) == ["b"]
+    assert tokens(s) == {"a": 2, "b": 2} and sched.waiting[0].request_id == "c"
+    assert tokens(run_step(sched)) == {"b": 1, "c": 2}
 
 
 def test_none_runs_one_at_a_time():
     sched, _, _ = make("none")
     sched.add(req("a", 2, max_tokens=2))
     sched.add(req("b", 2, max_tokens=2))
-    steps = [(ids(s.prefills), ids(s.decodes)) for s in (run_step(sched) for _ in range(4))]
-    assert steps == [(["a"], []), ([], ["a"]), (["b"], []), ([], ["b"])]
+    assert [tokens(run_step(sched)) for _ in range(4)] == [{"a": 2}, {"a": 1}, {"b": 2}, {"b": 1}]
 
 
 def test_static_never_admits_mid_batch():
@@ -116,13 +183,20 @@ def test_static_never_admits_mid_batch():
     sched.add(req("a1", 2, max_tokens=1, group=1))
     sched.add(req("a2", 2, max_tokens=3, group=1))
     sched.add(req("b1", 2, max_tokens=1, group=2))
+    # a1 finishes at once and frees a slot, but b1 waits for the whole payload.
+    assert [tokens(run_step(sched)) for _ in range(4)] == [{"a1": 2, "a2": 2}, {"a2": 1}, {"a2": 1}, {"b1": 2}]
+
+
+def test_static_admits_a_whole_payload_even_when_the_budget_is_small():
+    sched, _, _ = make("static", num_pages=33, max_model_len=32, budget=8)
+    for rid in ("p1", "p2", "p3"):
+        sched.add(req(rid, 10, max_tokens=2, group=1))
+    sched.add(req("q", 2, group=2))
     s = run_step(sched)
-    assert ids(s.prefills) == ["a1", "a2"]  # a1 finished, one slot is free ...
-    s = run_step(sched)
-    assert s.prefills == [] and ids(s.decodes) == ["a2"]  # ... but b1 does not join
-    run_step(sched)
-    s = run_step(sched)
-    assert ids(s.prefills) == ["b1"]
+    assert ids(s.admitted) == ["p1", "p2", "p3"] and tokens(s) == {"p1": 8}  # admitted together, run by budget
+    assert [tokens(run_step(sched)) for _ in range(4)] == [
+        {"p1": 2, "p2": 6}, {"p1": 1, "p2": 4, "p3": 3}, {"p2": 1, "p3": 7}, {"p3": 1}]
+    assert ids(sched.waiting) == ["q"] and tokens(run_step(sched)) == {"q": 2}
 
 
 def test_dynamic_closes_on_size():
@@ -132,7 +206,7 @@ def test_dynamic_closes_on_size():
     assert sched.schedule().empty  # 2 of 3, delay not reached
     sched.add(req("c", 2))
     sched.add(req("d", 2))
-    assert ids(sched.schedule().prefills) == ["a", "b", "c"]
+    assert tokens(sched.schedule()) == {"a": 2, "b": 2, "c": 2}
 
 
 def test_dynamic_closes_on_delay():
@@ -142,7 +216,7 @@ def test_dynamic_closes_on_delay():
     clock.now = 0.049
     assert sched.schedule().empty
     clock.now = 0.05
-    assert ids(sched.schedule().prefills) == ["a", "b"]
+    assert tokens(sched.schedule()) == {"a": 2, "b": 2}
 
 
 def test_dynamic_runs_a_batch_to_completion_first():
@@ -151,8 +225,7 @@ def test_dynamic_runs_a_batch_to_completion_first():
     sched.add(req("b", 2, max_tokens=3))
     run_step(sched)
     sched.add(req("c", 2))
-    s = run_step(sched)
-    assert s.prefills == [] and ids(s.decodes) == ["b"]
+    assert tokens(run_step(sched)) == {"b": 1}
 
 
 def test_finish_reasons_and_pages_freed():
@@ -161,12 +234,22 @@ def test_finish_reasons_and_pages_freed():
     sched.add(req("len", 2, max_tokens=2))
     sched.add(req("stop", 2, max_tokens=10, stop_token_ids=(4,)))
     s = sched.schedule()
-    finished = sched.update(s.prefills, np.array([EOS, 7, 4]))
+    finished = sched.update(s, np.array([EOS, 7, 4]))
     assert [(r.request_id, r.finish_reason.value) for r in finished] == [("eos", "stop"), ("stop", "stop")]
     s = sched.schedule()
-    finished = sched.update(s.decodes, np.array([8]))
+    finished = sched.update(s, np.array([8]))
     assert [(r.request_id, r.finish_reason.value) for r in finished] == [("len", "length")]
     assert blocks.free_pages == blocks.total_pages and not sched.has_unfinished()
+
+
+def test_a_chunk_that_does_not_finish_the_prompt_samples_nothing():
+    sched, _, _ = make(num_pages=33, max_model_len=32, budget=4)
+    sched.add(req("a", 6))
+    s = sched.schedule()
+    assert tokens(s) == {"a": 4} and not s.samples(s.admitted[0])
+    sched.update(s, np.array([EOS]))  # whatever the runner sampled for a chunk is dropped
+    a = sched.running[0]
+    assert a.output_token_ids == [] and a.num_computed_tokens == 4 and not a.finished
 
 
 def test_ignore_eos_and_abort():
@@ -174,12 +257,17 @@ def test_ignore_eos_and_abort():
     sched.add(req("x", 2, max_tokens=10, ignore_eos=True))
     sched.add(req("w", 2))
     s = sched.schedule()
-    sched.update(s.prefills[:1], np.array([EOS]))
-    assert not s.prefills[0].finished
+    sched.update(s, np.array([EOS, 5]))
+    assert not s.admitted[0].finished and s.admitted[0].output_token_ids == [EOS]
     assert sched.abort("x").finish_reason.value == "abort"
     assert sched.abort("w").finish_reason.value == "abort"
     assert sched.abort("unknown") is None
     assert blocks.free_pages == blocks.total_pages and not sched.has_unfinished()
+
+
+def test_budget_below_max_slots_is_refused():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_slots=8, max_model_len=16, max_num_batched_tokens=4)
 
 
 def test_block_manager_ref_counts():

@@ -25,7 +25,8 @@ class FinishReason(str, enum.Enum):
 class Request:
     """Mutable host-side state of one sequence.
 
-    `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
+    `num_computed_tokens` counts the tokens whose K/V are in the pool: a prompt advances chunk by
+    chunk, and a sequence decodes once only its last sampled token is left to compute. `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
     caller gave none. `group` ties the prompts of one client payload together (static batching).
     """
 
@@ -41,6 +42,7 @@ class Request:
     finish_reason: FinishReason | None = None
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     admit_time: float | None = None  # first admission, for queue-time metrics
@@ -53,6 +55,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without copying the whole sequence."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt: stop - prompt]
+        return self.prompt_token_ids[start: stop] + self.output_token_ids[: max(0, stop - prompt)]
 
     @property
     def finished(self) -> bool:

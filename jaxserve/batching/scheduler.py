@@ -1,12 +1,19 @@
-"""Iteration-level scheduler over a fixed number of batch slots.
+"""Token-budget scheduler over a fixed number of batch slots.
 
-Every step it (1) makes sure each running sequence has a page for its next token, preempting the
-most recently admitted sequence when pages run out, then (2) admits waiting requests as the policy
-allows while slots and pages last. After the runner has sampled, `update` appends the tokens and
-retires finished sequences, freeing their slots and pages.
+Every step it (1) makes sure each running sequence has pages for all its tokens, preempting the
+most recently admitted sequence when pages run out, (2) admits waiting requests as the strategy's
+policy allows while slots and pages last, and (3) fills the step's token budget: one token for
+every sequence that is decoding, then prompt chunks in admission order. A request's
+`num_computed_tokens` advances by what it ran; it samples when its last prompt chunk runs, then
+decodes. After the runner has sampled, `update` appends the tokens and retires finished
+sequences, freeing their slots and pages.
 
-The slot table holds, per slot, what the runner needs as fixed-shape arrays: the last token, the
-sequence length, the block table row and the sampling parameters.
+The strategy decides who is admitted; the budget decides how many tokens run. Admission takes
+pages for the whole prompt at once, so a prefill in progress never waits for memory; with chunked
+prefill off, a prompt runs whole in one step.
+
+The slot table holds, per slot, what the runner reads as fixed-shape host arrays: the block table
+row and the sampling parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import dataclasses
 import heapq
 import time
 from collections import deque
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
@@ -28,29 +35,41 @@ from jaxserve.batching.request import FinishReason, Request, RequestStatus
 class SchedulerConfig:
     max_slots: int
     max_model_len: int
+    max_num_batched_tokens: int  # the token budget of one step
+    enable_chunked_prefill: bool = True
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < self.max_slots:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
+                             f"({self.max_slots}): every running sequence decodes one token per step")
 
 
 @dataclasses.dataclass
 class Schedule:
-    """What to run this step: whole-sequence prefills for newly admitted (or resumed) requests,
-    and one decode token for every other running sequence."""
+    """One step: the tokens each request runs, decodes first, then prompt chunks in admission order."""
 
-    prefills: list[Request]
-    decodes: list[Request]
+    num_tokens: dict[Request, int]  # Requests hash by identity
+    admitted: list[Request]
     preempted: list[Request]
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.num_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens.values())
+
+    def samples(self, request: Request) -> bool:
+        """Whether `request` samples a token this step (its last uncomputed token runs)."""
+        return self.num_tokens[request] == request.num_uncomputed_tokens
 
 
 class SlotTable:
-    """Per-slot host arrays, in the fixed [max_slots] shape of the decode step."""
+    """Per-slot host arrays: block table rows and sampling parameters."""
 
     def __init__(self, max_slots: int, pages_per_seq: int):
-        self.tokens = np.zeros(max_slots, np.int32)  # last sampled token (not yet in the KV pool)
-        self.lengths = np.zeros(max_slots, np.int32)  # tokens in the sequence; 0: free or awaiting prefill
         self.block_tables = np.zeros((max_slots, pages_per_seq), np.int32)  # 0: the null page
         self.temperature = np.zeros(max_slots, np.float32)
         self.top_k = np.zeros(max_slots, np.int32)
@@ -59,8 +78,6 @@ class SlotTable:
         self.seed = np.zeros(max_slots, np.uint32)
 
     def fill(self, slot: int, request: Request) -> None:
-        """Admission: sampling parameters and pages. The slot joins decode steps once its prefill
-        has sampled a token (`Scheduler.update` sets its length)."""
         p = request.params
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
@@ -69,9 +86,7 @@ class SlotTable:
 
     def clear(self, slot: int) -> None:
         self.block_tables[slot] = 0
-        self.lengths[slot] = 0
-        self.tokens[slot] = 0
-        self.temperature[slot] = 0
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = 0, 0, 1, 0
 
 
 class Scheduler:
@@ -108,13 +123,28 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         preempted = self._grow_running()
-        prefills = [] if preempted else self._admit()
-        fresh = set(prefills)  # Requests hash by identity
-        decodes = [r for r in self.running if r not in fresh]
-        return Schedule(prefills=prefills, decodes=decodes, preempted=preempted)
+        admitted = [] if preempted else self._admit()
+        return Schedule(self._fill_budget(), admitted, preempted)
+
+    def _fill_budget(self) -> dict[Request, int]:
+        budget = self.config.max_num_batched_tokens
+        tokens: dict[Request, int] = {}
+        for request in self.running:  # decodes: at most max_slots <= budget of them
+            if request.num_uncomputed_tokens == 1:
+                tokens[request] = 1
+                budget -= 1
+        for request in self.running:  # then prompt chunks, in admission order
+            left = request.num_uncomputed_tokens
+            if left <= 1 or budget == 0:
+                continue
+            if left > budget and not self.config.enable_chunked_prefill:
+                break  # whole prompts only: this one and those behind it wait for a step with room
+            tokens[request] = min(left, budget)
+            budget -= tokens[request]
+        return tokens
 
     def _grow_running(self) -> list[Request]:
-        """Gives each running sequence the pages its next token needs; preempts when out."""
+        """Gives each running sequence the pages its tokens need; preempts the newest when out."""
         preempted = []
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -132,8 +162,8 @@ class Scheduler:
 
     def _admit(self) -> list[Request]:
         admitted = []
-        budget = self.policy.admissible(self.waiting, len(self.running), self.clock())
-        while budget > 0 and self.waiting and self._free_slots:
+        allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
+        while allowed > 0 and self.waiting and self._free_slots:
             request = self.waiting[0]
             tokens = self.config.max_model_len if self.policy.reserve_full_context else request.num_tokens
             needed = pages_for(tokens, self.blocks.page_size)
@@ -148,7 +178,7 @@ class Scheduler:
             self._add_pages(request, self.blocks.allocate(needed))
             self.table.fill(request.slot, request)
             admitted.append(request)
-            budget -= 1
+            allowed -= 1
         return admitted
 
     def _add_pages(self, request: Request, pages: list[int]) -> None:
@@ -172,29 +202,32 @@ class Scheduler:
         """Frees a running sequence's pages; it is recomputed from its tokens when readmitted."""
         self._release(request)
         request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ---- results ----
 
-    def update(self, requests: Iterable[Request], tokens: np.ndarray,
-               logprobs: list[dict] | None = None) -> list[Request]:
-        """Appends one sampled token per request (tokens[i] for requests[i]); returns the finished."""
+    def update(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
+        """Advances every scheduled request by the tokens it ran. tokens[i] (and logprobs[i]) is the
+        token sampled for the i-th request of the schedule, kept only if that request sampled (its
+        last uncomputed token ran). Returns the requests that finished."""
         finished = []
         now = self.clock()
         eos = self.config.eos_token_ids
-        for i, request in enumerate(requests):
+        for i, (request, n) in enumerate(schedule.num_tokens.items()):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk that is not the last: no token yet
             token = int(tokens[i])
             request.output_token_ids.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs[i])
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.table.tokens[request.slot] = token
-            self.table.lengths[request.slot] = request.num_tokens
             params = request.params
             if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos):
                 self.finish(request, FinishReason.STOP)

@@ -1,7 +1,7 @@
 """Building blocks of the decoder: RMSNorm, rotary embeddings, the gated MLP and attention.
 
-Legend: B batch, T tokens, D hidden, H query heads, N kv heads, G = H/N, K head dim, F MLP width,
-P pages per sequence, S page size, M pool pages.
+Legend: T tokens (the step's flat token axis), D hidden, H query heads, N kv heads, G = H/N, K head dim,
+F MLP width.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig, RopeScaling
-from jaxserve.model.paged_attention import decode_attention, prefill_attention, write_kv
+from jaxserve.model.paged_attention import Attend, StepMetadata, write_kv
 
 
 class RMSNorm(nnx.Module):
@@ -50,10 +50,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
-    """Rotate-half RoPE. x: [B, T, heads, K]; positions: [B, T]; inv_freq: K/2 floats."""
-    angles = positions.astype(jnp.float32)[..., None] * np.asarray(inv_freq, np.float32)  # [B, T, K/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    """Rotate-half RoPE. x: [T, heads, K]; positions: [T]; inv_freq: K/2 floats."""
+    angles = positions.astype(jnp.float32)[..., None] * np.asarray(inv_freq, np.float32)  # [T, K/2]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -78,11 +78,8 @@ class MLP(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention that writes its K/V into the paged pool.
-
-    Prefill runs on whole prompts starting at position 0, so it attends within the chunk;
-    decode attends to the sequence's pages through its block table.
-    """
+    """Grouped-query attention that writes its K/V into the paged pool, then attends over each
+    token's own sequence through `attend` (decode tokens and prompt chunks alike)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, jax.Array], norm_eps: float):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -99,26 +96,21 @@ class Attention(nnx.Module):
         self.scale = cfg.scale
         self.soft_cap = cfg.attn_logit_softcap
 
-    def __call__(self, x, positions, kv, block_tables, lengths, *, decode: bool, backend: str):
-        """x: [B, T, D]; positions: [B, T]; kv: (k [N, M, S, K], v); block_tables: [B, P];
-        lengths: [B] tokens of each sequence after this step. Returns ([B, T, D], kv)."""
-        b, t, _ = x.shape
+    def __call__(self, x, kv, meta: StepMetadata, attend: Attend):
+        """x: [T, D]; kv: (k [N, M, S, K], v). Returns ([T, D], kv)."""
+        t = x.shape[0]
         h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x @ self.qkv[...]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
-        qkv = qkv.reshape(b, t, n, h // n + 2, k)  # per kv head: its query heads, then k, then v
-        q = qkv[..., :-2, :].reshape(b, t, h, k)
-        key, value = qkv[..., -2, :], qkv[..., -1, :]  # [B, T, N, K]
+        qkv = qkv.reshape(t, n, h // n + 2, k)  # per kv head: its query heads, then k, then v
+        q = qkv[..., :-2, :].reshape(t, h, k)
+        key, value = qkv[..., -2, :], qkv[..., -1, :]  # [T, N, K]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
-        q = apply_rope(q, positions, self.inv_freq)
-        key = apply_rope(key, positions, self.inv_freq)
-        k_pool, v_pool = write_kv(kv, key, value, positions, block_tables, lengths)
-        options = dict(scale=self.scale, window=self.window, soft_cap=self.soft_cap)
-        if decode:
-            out = decode_attention(q[:, 0], k_pool, v_pool, block_tables, lengths, backend=backend, **options)
-            out = out[:, None]
-        else:
-            out = prefill_attention(q, key, value, lengths, **options)
-        return out.reshape(b, t, h * k) @ self.out[...], (k_pool, v_pool)
+        q = apply_rope(q, meta.positions, self.inv_freq)
+        key = apply_rope(key, meta.positions, self.inv_freq)
+        k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping)
+        out = attend(q, k_pool, v_pool, meta, sm_scale=self.scale, sliding_window=self.window,
+                     soft_cap=self.soft_cap)
+        return out.reshape(t, h * k) @ self.out[...], (k_pool, v_pool)

@@ -1,8 +1,9 @@
 """The decoder-only transformer shared by every family (Llama-style and Gemma 3).
 
-`Transformer(tokens, positions, kv_pool, block_tables, lengths) -> (logits, kv_pool)`: the KV pool
-goes in and comes out, so the runner can donate it and XLA updates it in place.
-Legend: B batch, T tokens, D hidden, V vocab, L layers, P pages per sequence.
+`Transformer(tokens, kv_pool, meta, attend=...) -> (logits, kv_pool)` runs one ragged step: a flat
+run of tokens from many sequences (see `paged_attention.StepMetadata`). The KV pool goes in and
+comes out, so the runner can donate it and XLA updates it in place.
+Legend: T tokens, R rows whose logits are wanted, D hidden, V vocab.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import MLP, Attention, RMSNorm
+from jaxserve.model.paged_attention import Attend, StepMetadata
 from jaxserve.model.weights import check_weights
 
 KVPool = list  # L x (k [N, M, S, K], v [N, M, S, K])
@@ -32,8 +34,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(w["post_attn_norm"], eps) if "post_attn_norm" in w else None
         self.post_mlp_norm = RMSNorm(w["post_mlp_norm"], eps) if "post_mlp_norm" in w else None
 
-    def __call__(self, x, positions, kv, block_tables, lengths, *, decode, backend):
-        h, kv = self.attn(self.attn_norm(x), positions, kv, block_tables, lengths, decode=decode, backend=backend)
+    def __call__(self, x, kv, meta: StepMetadata, attend: Attend):
+        h, kv = self.attn(self.attn_norm(x), kv, meta, attend)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -56,21 +58,19 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([
             DecoderLayer(cfg, i, _layer_weights(cfg, weights, i, dtype)) for i in range(cfg.num_layers)])
 
-    def __call__(self, tokens, positions, kv_pool: KVPool, block_tables, lengths, *,
-                 decode: bool, backend: str = "reference", logits_index=None):
-        """tokens, positions: [B, T] int32; block_tables: [B, P]; lengths: [B] tokens per sequence
-        after this step. logits_index: [B] position in T whose logits to return, or None for all.
-        Returns (logits [B, T or 1, V] float32, new kv_pool)."""
-        x = self.embed[...][tokens]
+    def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
+        """tokens: [T] int32; logits_indices: [R] tokens whose logits to return (None: all).
+        Returns (logits [R or T, V] float32, new kv_pool)."""
+        x = self.embed[...][tokens]  # [T, D]
         if self.cfg.embed_scale != 1.0:
             x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         new_pool = []
         for layer, kv in zip(self.layers, kv_pool):
-            x, kv = layer(x, positions, kv, block_tables, lengths, decode=decode, backend=backend)
+            x, kv = layer(x, kv, meta, attend)
             new_pool.append(kv)
+        if logits_indices is not None:
+            x = x[logits_indices]  # [R, D]: only the rows that sample pay for the output layer
         x = self.final_norm(x)
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)  # [B, 1, D]
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = (x @ head).astype(jnp.float32)
         if self.cfg.final_logit_softcap is not None:

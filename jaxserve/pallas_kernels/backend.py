@@ -1,16 +1,18 @@
-"""Choice of attention implementation, and the single decode-attention entry point of the engine.
+"""Choice of attention implementation, and the one ragged-attention entry point of the engine.
 
-The runner resolves `EngineConfig.attention_backend` once with `select_backend` ("auto" becomes
-"pallas" on GPU/TPU and "reference" on CPU) and passes the result to `decode_attention` inside its
-jitted decode step, once per layer, with that layer's KV pool `[K, N, P, D]`. `backend` must be a
-static (hashable Python) value under jit.
+The engine resolves `EngineConfig.attention_backend` once with `select_backend` ("auto" becomes
+"pallas" on GPU/TPU and "reference" on CPU); the runner then calls `attention_fn(backend)` and
+hands the result to the model, which calls it once per layer inside the jitted step with that
+layer's pool and the step's metadata.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
-from jaxserve.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
 
 BACKENDS = ("auto", "pallas", "reference")
 
@@ -24,31 +26,32 @@ def select_backend(name: str = "auto") -> str:
     return name
 
 
-def decode_attention(
-    q: jax.Array,  # [S, H, D]
-    k_pages: jax.Array,  # [K, N, P, D]
-    v_pages: jax.Array,  # [K, N, P, D]
-    block_tables: jax.Array,  # [S, T] int32
-    lengths: jax.Array,  # [S] int32, tokens valid including the current one
-    *,
-    backend: str,
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [S, H, D]
-    """Decode attention for one query token per slot, by the chosen backend.
+def ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, backend: str,
+                     sm_scale: float | None = None, sliding_window: int | None = None,
+                     soft_cap: float | None = None, interpret: bool | None = None) -> jax.Array:
+    """Ragged paged attention (contract: `ragged_reference`) by the chosen backend.
 
-    "pallas" runs the TPU-style kernel on TPU and the GPU (Triton-style) kernel elsewhere
-    (with `interpret=True` on CPU); "reference" is the plain XLA gather. "auto" is resolved here
-    too. Raises ValueError for unknown backend names.
+    "pallas" runs the TPU kernel on a TPU and the GPU (Triton-style) kernel elsewhere, in
+    interpret mode on CPU (`interpret=None` decides by the default backend).
     """
     resolved = select_backend(backend)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if resolved == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, **kwargs)
+        return ragged_paged_attention_reference(*args, **options)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
     if jax.default_backend() == "tpu" and not interpret:
-        from jaxserve.pallas_kernels.tpu_paged_attention import paged_attention_tpu
-        return paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, **kwargs)
-    return paged_attention(q, k_pages, v_pages, block_tables, lengths, interpret=interpret,
-                           **kwargs)
+        from jaxserve.pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
+        return ragged_paged_attention_tpu(*args, **options)
+    from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    return ragged_paged_attention(*args, interpret=interpret, **options)
+
+
+def attention_fn(backend: str):
+    """`attend(q, k_pool, v_pool, meta, **options)` for the model: the step metadata unpacked into
+    a ragged attention call by `backend`."""
+    def attend(q, k_pool, v_pool, meta, **options):
+        return ragged_attention(q, k_pool, v_pool, meta.kv_lens, meta.block_tables, meta.query_start,
+                                meta.num_seqs, backend=backend, **options)
+    return functools.wraps(ragged_attention)(attend)

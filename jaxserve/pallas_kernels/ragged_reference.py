@@ -81,6 +81,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     """Ragged paged attention in plain jnp (see the module docstring for the contract)."""
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
                         sliding_window, soft_cap, name="ragged_paged_attention_reference")
+    kv_lens, block_tables, query_start, num_seqs = map(jnp.asarray, (kv_lens, block_tables, query_start, num_seqs))
     tokens, heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

@@ -1,0 +1,149 @@
+"""The host side of one ragged step: the scheduled sequences flattened into the fixed-shape arrays
+the runner's compiled step takes, and the buckets that keep those shapes few.
+
+    Schedule {request: tokens} ─► ScheduledSeq per request ─► StepBatch
+        tokens [T]          the tokens to run, sequence after sequence (decodes first)
+        meta                positions, pool slots, kv_lens, block tables, query starts (StepMetadata)
+        logits_indices [R]  each sequence's last token: the only rows that reach the output layer
+        sampling [R]        each sequence's sampling parameters
+
+T and R are padded to a (token, sequence) bucket. Padding tokens write to the null page and belong
+to no sequence; padding sequences have no tokens and length 0. Under a data-parallel mesh the
+sequences are dealt to replicas by slot (slot % replicas), and each replica's tokens and sequences
+fill an equal, separately padded slice of every array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.model.paged_attention import StepMetadata
+from jaxserve.sampling import SamplingBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step."""
+
+    slot: int  # its row in the slot table (block table, sampling parameters)
+    start: int  # position of its first token this step: the tokens already in the pool
+    token_ids: Sequence[int]
+
+
+@dataclasses.dataclass
+class StepBatch:
+    tokens: np.ndarray  # [T] int32
+    meta: StepMetadata
+    logits_indices: np.ndarray  # [R] int32
+    sampling: SamplingBatch  # [R] rows
+    rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(tokens, sequences) of the padded batch."""
+        return len(self.tokens), len(self.logits_indices)
+
+
+def _series(high: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers of two, and their midpoints from 16 on), then high."""
+    sizes, size = [], 1
+    while size < high:
+        sizes.append(size)
+        if size < 16:
+            size *= 2
+        else:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return sizes + [high]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+    """The padded (tokens, sequences) shapes of a replica's slice of a step.
+
+    Tokens round up in steps of at most 1.5x (padding <= 33%, far less on average) up to the token
+    budget. A batch with at most 8 sequences and more than 8 tokens (prompt-heavy) pads its
+    sequences to 8, any other to min(token bucket, max_seqs): the output layer runs once per
+    sequence, so sequences are padded less than they would be by the token bucket alone.
+    """
+
+    max_tokens: int  # per replica
+    max_seqs: int  # per replica
+
+    @property
+    def token_sizes(self) -> list[int]:
+        return _series(self.max_tokens)
+
+    def seq_sizes(self, token_size: int) -> list[int]:
+        full = min(token_size, self.max_seqs)
+        return [8, full] if full > 8 else [full]
+
+    def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds the largest "
+                             f"bucket ({self.max_tokens} tokens, {self.max_seqs} sequences)")
+        tokens = next(s for s in self.token_sizes if s >= max(num_tokens, 1))
+        return tokens, next(s for s in self.seq_sizes(tokens) if s >= num_seqs)
+
+    def all_shapes(self) -> list[tuple[int, int]]:
+        return [(t, s) for t in self.token_sizes for s in self.seq_sizes(t)]
+
+
+def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling: SamplingBatch,
+               page_size: int, buckets: StepBuckets, replicas: int = 1) -> StepBatch:
+    """The padded arrays of one step. block_tables [slots, W] and sampling ([slots] rows) are the
+    slot table's; each sequence reads its slot's row."""
+    groups: list[list[int]] = [[] for _ in range(replicas)]
+    for i, seq in enumerate(seqs):
+        groups[seq.slot % replicas].append(i)
+    t_size, s_size = buckets.shape(max(sum(len(seqs[i].token_ids) for i in g) for g in groups),
+                                   max(len(g) for g in groups))
+    width = block_tables.shape[1]
+    tokens = np.zeros(replicas * t_size, np.int32)
+    positions = np.zeros(replicas * t_size, np.int32)
+    slot_mapping = np.zeros(replicas * t_size, np.int32)
+    kv_lens = np.zeros(replicas * s_size, np.int32)
+    tables = np.zeros((replicas * s_size, width), np.int32)
+    query_start = np.zeros(replicas * (s_size + 1), np.int32)
+    num_seqs = np.zeros(replicas, np.int32)
+    logits_indices = np.zeros(replicas * s_size, np.int32)
+    slots = np.zeros(replicas * s_size, np.int64)
+    real = np.zeros(replicas * s_size, bool)
+    rows = np.zeros(len(seqs), np.int64)
+    for r, group in enumerate(groups):
+        n = len(group)
+        t0, s0 = r * t_size, r * s_size
+        lens = np.fromiter((len(seqs[i].token_ids) for i in group), np.int32, n)
+        starts = np.fromiter((seqs[i].start for i in group), np.int32, n)
+        ends = np.cumsum(lens, dtype=np.int32)
+        total = int(ends[-1]) if n else 0
+        seq_of_token = np.repeat(np.arange(n), lens)
+        pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - (ends - lens)[seq_of_token]
+        group_slots = np.fromiter((seqs[i].slot for i in group), np.int64, n)
+        rows_of_token = block_tables[group_slots[seq_of_token], pos // page_size]
+        tokens[t0: t0 + total] = [t for i in group for t in seqs[i].token_ids]
+        positions[t0: t0 + total] = pos
+        slot_mapping[t0: t0 + total] = rows_of_token * page_size + pos % page_size
+        kv_lens[s0: s0 + n] = starts + lens
+        tables[s0: s0 + n] = block_tables[group_slots]
+        q0 = r * (s_size + 1)
+        query_start[q0 + 1: q0 + 1 + n] = ends
+        query_start[q0 + 1 + n: q0 + 1 + s_size] = total
+        num_seqs[r] = n
+        logits_indices[s0: s0 + n] = t0 + ends - 1
+        slots[s0: s0 + n] = group_slots
+        real[s0: s0 + n] = True
+        rows[group] = s0 + np.arange(n)
+    meta = StepMetadata(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=tables,
+                        query_start=query_start, num_seqs=num_seqs)
+    return StepBatch(tokens, meta, logits_indices, _sampling_rows(sampling, slots, real), rows)
+
+
+def _sampling_rows(sampling: SamplingBatch, slots: np.ndarray, real: np.ndarray) -> SamplingBatch:
+    """Each sequence's sampling parameters; padding rows greedy and unfiltered (no sorting path)."""
+    def rows(values, pad):
+        return np.where(real, np.asarray(values)[slots], pad).astype(np.asarray(values).dtype)
+    return SamplingBatch(rows(sampling.temperature, 0), rows(sampling.top_k, 0), rows(sampling.top_p, 1),
+                         rows(sampling.min_p, 0), rows(sampling.seed, 0))
