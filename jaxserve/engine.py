@@ -332,6 +332,8 @@ class Engine:
             "free_pages": self.blocks.free_pages,
             "total_pages": self.blocks.total_pages,
             "num_compiles": self.runner.num_compiles,
+            "tokens_run": self.runner.tokens_run,  # real tokens through the model
+            "tokens_computed": self.runner.tokens_computed,  # the same with bucket padding
             "num_preemptions": self.scheduler.num_preemptions,
             "num_errors": self.num_errors,
         }

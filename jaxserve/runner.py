@@ -67,6 +67,8 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas)
         self._compiled: dict[tuple, object] = {}
+        self.tokens_run = 0  # real tokens through the model ...
+        self.tokens_computed = 0  # ... and with bucket padding
         self._jitted = jax.jit(self._step, static_argnames=("logprobs",), donate_argnums=(1,))
 
     @property
@@ -84,6 +86,8 @@ class Runner:
         if compiled is None:
             compiled = self._compiled[key] = self._compile(args, logprobs)
         self.kv_pool, out = compiled(*args)
+        self.tokens_run += batch.num_tokens
+        self.tokens_computed += batch.shape[0]
         out = jax.device_get(out)  # the one device-to-host transfer of the step
         return StepOutput(tokens=out[0], logprobs=out[1:] if logprobs else None)
 
@@ -121,7 +125,7 @@ class Runner:
     def warmup(self) -> int:
         """Compiles every bucket ahead of time (padding only: the null page absorbs the writes);
         returns how many shapes were new."""
-        before = self.num_compiles
+        before, counters = self.num_compiles, (self.tokens_run, self.tokens_computed)
         r = self.replicas
         for tokens, seqs in self.buckets.all_shapes():
             greedy = SamplingBatch(np.zeros(r * seqs, np.float32), np.zeros(r * seqs, np.int32),
@@ -132,4 +136,5 @@ class Runner:
                                 block_tables=np.zeros((r * seqs, self.pages_per_seq), np.int32),
                                 query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
             self.step(StepBatch(zeros(r * tokens), meta, zeros(r * seqs), greedy, zeros(0)))
+        self.tokens_run, self.tokens_computed = counters  # warm-up steps are not work
         return self.num_compiles - before

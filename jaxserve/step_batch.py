@@ -40,6 +40,7 @@ class StepBatch:
     logits_indices: np.ndarray  # [R] int32
     sampling: SamplingBatch  # [R] rows
     rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
+    num_tokens: int = 0  # real tokens (the rest of T is padding)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -138,7 +139,8 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         rows[group] = s0 + np.arange(n)
     meta = StepMetadata(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=tables,
                         query_start=query_start, num_seqs=num_seqs)
-    return StepBatch(tokens, meta, logits_indices, _sampling_rows(sampling, slots, real), rows)
+    return StepBatch(tokens, meta, logits_indices, _sampling_rows(sampling, slots, real), rows,
+                     num_tokens=sum(len(seq.token_ids) for seq in seqs))
 
 
 def _sampling_rows(sampling: SamplingBatch, slots: np.ndarray, real: np.ndarray) -> SamplingBatch:

@@ -2,6 +2,8 @@
 
     python scripts/bench_batching.py --num-requests 64 --input-len 32:256 --output-len 128:128 \
         --strategies none,dynamic,continuous,paged --peer hf --json bench.json --plot bench.png
+    python scripts/bench_batching.py --num-requests 16 --long-prompts 3:1500 --strategies paged \
+        --max-model-len 2048 --no-chunked-prefill      # ITL of decoding requests while long prompts arrive
 
 One process builds one engine; every strategy reuses its model, compiled steps and KV pool
 (`Engine.with_strategy`), so the runs differ in scheduling only. All shapes are compiled before the
@@ -9,6 +11,10 @@ timed runs (the compile time is reported on its own), and each run reports the c
 Requests arrive all at once (`--rate inf`) or as a Poisson process; output lengths are fixed by
 `ignore_eos`. `--peer hf` and `--peer llamacpp` run the same requests through Hugging Face
 transformers (static padded batches) and llama-cpp-python (batched decoding) as baseline rows.
+`--long-prompts COUNT:LEN` sends COUNT prompts of LEN tokens once every other request is
+decoding; the ITL columns (inter-token latency p50, p99, max) are those of the other requests.
+`--no-chunked-prefill` adds rows from a second engine that prefills every prompt whole. The
+"pad" column is tokens computed (bucket padding included) per real token.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     arrivals: list[float]  # seconds after the start
+    late: list[int] = dataclasses.field(default_factory=list)  # sent once every other request decodes
 
 
 def make_workload(args, vocab_size: int) -> Workload:
@@ -42,13 +49,18 @@ def make_workload(args, vocab_size: int) -> Workload:
     olo, ohi = args.output_len
     n = args.num_requests
     # Ordinary-vocabulary ids: skip the low ids where special tokens live.
-    prompts = [rng.integers(1000, min(vocab_size, 200_000), size=rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
+    prompts = [rng.integers(min(1000, vocab_size // 4), min(vocab_size, 200_000), size=rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
     output_lens = rng.integers(olo, ohi + 1, size=n).tolist()
     if math.isinf(args.rate):
         arrivals = [0.0] * n
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=n)).tolist()
-    return Workload(prompts, output_lens, arrivals)
+    count, length = args.long_prompts or (0, 0)
+    late = list(range(n, n + count))
+    prompts += [rng.integers(min(1000, vocab_size // 4), min(vocab_size, 200_000), size=length).tolist() for _ in late]
+    output_lens += [olo] * count
+    arrivals += [math.inf] * count
+    return Workload(prompts, output_lens, arrivals, late)
 
 
 def percentile(values, q):
@@ -58,14 +70,22 @@ def percentile(values, q):
 def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
     """Replays the workload's arrivals against one strategy; returns its row of figures."""
     eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms)
-    compiles0, preempt0 = eng.stats()["num_compiles"], eng.stats()["num_preemptions"]
+    stats0 = eng.stats()
     page_size = eng.config.page_size
-    order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
+    order = sorted(range(len(work.prompts) - len(work.late)), key=lambda i: work.arrivals[i])
     ids: dict[int, str] = {}
-    next_i, peak, kv_weighted, kv_time = 0, 0, 0.0, 0.0
-    bar = tqdm(total=len(order), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
+    token_times: dict[str, list[float]] = {}  # when each request's tokens reached the host
+    next_i, peak, kv_weighted, kv_time, late_sent = 0, 0, 0.0, 0.0, not work.late
+    bar = tqdm(total=len(work.prompts), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
     start = time.monotonic()
-    while next_i < len(order) or eng.has_unfinished():
+
+    def send(payload, group, arrival):
+        for i in payload:
+            params = SamplingParams(max_tokens=work.output_lens[i], temperature=0, ignore_eos=True)
+            ids[i] = eng.add_request(work.prompts[i], params, group=group, arrival_time=arrival)
+            token_times[ids[i]] = []
+
+    while next_i < len(order) or eng.has_unfinished() or not late_sent:
         now = time.monotonic() - start
         while next_i < len(order) and work.arrivals[order[next_i]] <= now:
             # A static payload is the next batch_size requests; it is sent when its last one arrives.
@@ -75,48 +95,53 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
                     break
             else:
                 payload = [order[next_i]]
-            group = next_i  # one group per payload: static runs it as one batch
-            for i in payload:
-                params = SamplingParams(max_tokens=work.output_lens[i], temperature=0, ignore_eos=True)
-                ids[i] = eng.add_request(work.prompts[i], params, group=group,
-                                         arrival_time=start + work.arrivals[i])
+            send(payload, next_i, start + work.arrivals[payload[-1]])  # one group per payload
             next_i += len(payload)
+        if not late_sent and next_i == len(order) and all(token_times[ids[i]] for i in order):
+            send(work.late, -1, time.monotonic())
+            late_sent = True
         if not eng.has_unfinished():
-            time.sleep(max(0.0, min(0.01, work.arrivals[order[next_i]] - now)))
+            time.sleep(max(0.0, min(0.01, work.arrivals[order[min(next_i, len(order) - 1)]] - now)))
             continue
         t0 = time.monotonic()
         done = eng.step()
-        dt = time.monotonic() - t0
+        t1 = time.monotonic()
         running = eng.scheduler.running
+        for r in running + done:
+            times = token_times[r.request_id]
+            times += [t1] * (len(r.output_token_ids) - len(times))
         peak = max(peak, len(running))
         reserved = (eng.blocks.total_pages - eng.blocks.free_pages) * page_size
         if reserved:
-            kv_weighted += dt * sum(r.num_tokens for r in running) / reserved
-            kv_time += dt
+            kv_weighted += (t1 - t0) * sum(r.num_tokens for r in running) / reserved
+            kv_time += t1 - t0
         bar.update(len(done))
         if eng.idle:
             time.sleep(0.0005)
     bar.close()
-    requests = [eng.request(ids[i]) for i in range(len(order))]
+    requests = [eng.request(ids[i]) for i in sorted(ids)]
     makespan = max(r.finish_time for r in requests) - start
     ttft = [r.first_token_time - r.arrival_time for r in requests]
     e2e = [r.finish_time - r.arrival_time for r in requests]
     tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
             for r in requests if len(r.output_token_ids) > 1]
+    itl = [b - a for i in order for a, b in zip(token_times[ids[i]], token_times[ids[i]][1:])]
     out_tokens = sum(len(r.output_token_ids) for r in requests)
     stats = eng.stats()
     assert stats["free_pages"] == stats["total_pages"], "KV pages leaked"
     return {
-        "strategy": strategy,
+        "strategy": strategy if eng.config.enable_chunked_prefill else f"{strategy} (no chunked prefill)",
         "requests_per_s": len(requests) / makespan,
         "output_tokens_per_s": out_tokens / makespan,
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_mean_s": float(np.mean(tpot)), "tpot_p99_s": percentile(tpot, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99), "itl_max_s": max(itl, default=math.nan),
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "peak_concurrent": peak,
         "kv_utilization": kv_weighted / kv_time if kv_time else float("nan"),
-        "preemptions": stats["num_preemptions"] - preempt0,
-        "compiles_during_run": stats["num_compiles"] - compiles0,
+        "padding": (stats["tokens_computed"] - stats0["tokens_computed"]) / (stats["tokens_run"] - stats0["tokens_run"]),
+        "preemptions": stats["num_preemptions"] - stats0["num_preemptions"],
+        "compiles_during_run": stats["num_compiles"] - stats0["num_compiles"],
         "makespan_s": makespan,
     }
 
@@ -181,8 +206,9 @@ COLUMNS = [("strategy", "strategy", "{}"), ("req/s", "requests_per_s", "{:.2f}")
            ("out tok/s", "output_tokens_per_s", "{:.1f}"), ("TTFT mean", "ttft_mean_s", "{:.2f}"),
            ("TTFT p50", "ttft_p50_s", "{:.2f}"), ("TTFT p99", "ttft_p99_s", "{:.2f}"),
            ("TPOT mean", "tpot_mean_s", "{:.3f}"), ("TPOT p99", "tpot_p99_s", "{:.3f}"),
+           ("ITL p50", "itl_p50_s", "{:.3f}"), ("ITL p99", "itl_p99_s", "{:.3f}"), ("ITL max", "itl_max_s", "{:.3f}"),
            ("E2E p50", "e2e_p50_s", "{:.2f}"), ("E2E p99", "e2e_p99_s", "{:.2f}"),
-           ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"),
+           ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"), ("pad", "padding", "{:.3f}"),
            ("preempt", "preemptions", "{}"), ("compiles", "compiles_during_run", "{}")]
 
 
@@ -240,23 +266,33 @@ def main(argv=None) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=1024, help="one KV budget for every strategy")
     p.add_argument("--batch-size", type=int, default=16, help="dynamic batch size, static payload and HF batch")
     p.add_argument("--max-batch-delay-ms", type=float, default=50.0)
+    p.add_argument("--long-prompts", type=parse_range, default=None, metavar="COUNT:LEN",
+                   help="COUNT prompts of LEN tokens, sent once every other request is decoding")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="token budget of a step")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="also run every strategy on an engine that prefills prompts whole")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
 
-    t0 = time.monotonic()
-    engine = Engine.from_pretrained(args.model, EngineConfig(
-        max_slots=args.max_slots, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb << 20))
-    load_s = time.monotonic() - t0
-    t0 = time.monotonic()
-    engine.runner.warmup()
-    compile_s = time.monotonic() - t0
-    print(f"model {engine.model_name}: loaded in {load_s:.1f} s; {engine.stats()['num_compiles']} shapes "
-          f"compiled in {compile_s:.1f} s; KV pool {engine.stats()['total_pages']} pages of "
-          f"{engine.config.page_size} tokens", file=sys.stderr)
-    work = make_workload(args, engine.model_config.vocab_size)
-    rows = [run_strategy(engine, s, work, args) for s in args.strategies.split(",") if s]
+    config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
+                          kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens)
+    engines = [config] + ([config.replace(enable_chunked_prefill=False)] if args.no_chunked_prefill else [])
+    rows, compile_s = [], 0.0
+    for config in engines:
+        t0 = time.monotonic()
+        engine = Engine.from_pretrained(args.model, config)
+        load_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        engine.runner.warmup()
+        compile_s += time.monotonic() - t0
+        print(f"model {engine.model_name}: loaded in {load_s:.1f} s; {engine.stats()['num_compiles']} shapes "
+              f"compiled in {time.monotonic() - t0:.1f} s; KV pool {engine.stats()['total_pages']} pages of "
+              f"{engine.config.page_size} tokens; chunked prefill {config.enable_chunked_prefill}", file=sys.stderr)
+        work = make_workload(args, engine.model_config.vocab_size)
+        rows += [run_strategy(engine, s, work, args) for s in args.strategies.split(",") if s]
     peers = [p for p in args.peer.split(",") if p]
     if "hf" in peers:
         rows.append(run_hf_peer(args.model, work, args))
@@ -272,10 +308,12 @@ def main(argv=None) -> None:
           f"{args.output_len[0]}-{args.output_len[1]} tokens, max_slots {args.max_slots}, KV budget "
           f"{args.kv_cache_mb} MiB, compile {compile_s:.0f} s (not timed)\n")
     print_table(rows)
-    base = next((r for r in rows if r["strategy"] == "none"), None)
-    if base:
-        print("\nvs none: " + ", ".join(f"{r['strategy']} {r['output_tokens_per_s'] / base['output_tokens_per_s']:.1f}x"
-                                        for r in rows if r is not base))
+    for suffix in ("", " (no chunked prefill)"):
+        base = next((r for r in rows if r["strategy"] == "none" + suffix), None)
+        if base:
+            print(f"\nvs none{suffix}: " + ", ".join(
+                f"{r['strategy']} {r['output_tokens_per_s'] / base['output_tokens_per_s']:.1f}x"
+                for r in rows if r is not base and r["strategy"].endswith(suffix) and "peer" not in r["strategy"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")

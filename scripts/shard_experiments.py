@@ -37,6 +37,7 @@ from jaxserve.model.transformer import Transformer  # noqa: E402
 from jaxserve.model.weights import expected_shapes  # noqa: E402
 from jaxserve.runner import Runner, RunnerConfig  # noqa: E402
 from jaxserve.sampling import SamplingBatch  # noqa: E402
+from jaxserve.step_batch import ScheduledSeq, build_step  # noqa: E402
 
 MESHES = "1x1,1x2,1x4,1x8,2x4,4x2,8x1"
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -67,26 +68,34 @@ def count_collectives(hlo: str) -> dict[str, int]:
 
 
 class Workload:
-    """One prefill batch and one full decode batch, with their own pages."""
+    """One prefill step (whole prompts) and one full decode step, each sequence on its own pages."""
 
     def __init__(self, runner: Runner, prefill_batch: int, prompt_len: int, context: int, seed: int = 0):
         cfg, rc = runner.model_config, runner.config
         rng = np.random.default_rng(seed)
         slots, pages = rc.max_slots, runner.pages_per_seq
         self.tables = (1 + np.arange(slots * pages, dtype=np.int32)).reshape(slots, pages)
-        self.prompts = [rng.integers(3, cfg.vocab_size, prompt_len).tolist() for _ in range(prefill_batch)]
-        self.tokens = rng.integers(3, cfg.vocab_size, slots).astype(np.int32)
-        self.lengths = np.full(slots, context, np.int32)
-        zeros = lambda n, dt: np.zeros(n, dt)
-        self.sampling = lambda n: SamplingBatch(zeros(n, np.float32), zeros(n, np.int32), np.ones(n, np.float32),
-                                                zeros(n, np.float32), zeros(n, np.uint32))
+        zeros = lambda n, dt: np.zeros(n, dt)  # noqa: E731
+        self.sampling = SamplingBatch(zeros(slots, np.float32), zeros(slots, np.int32), np.ones(slots, np.float32),
+                                      zeros(slots, np.float32), zeros(slots, np.uint32))
+        prompts = [rng.integers(3, cfg.vocab_size, prompt_len).tolist() for _ in range(prefill_batch)]
+        self.prefill_seqs = [ScheduledSeq(i, 0, p) for i, p in enumerate(prompts)]
+        self.decode_seqs = [ScheduledSeq(i, context - 1, [int(t)])
+                            for i, t in enumerate(rng.integers(3, cfg.vocab_size, slots))]
+
+        self.shapes: dict[str, tuple[int, int]] = {}  # compiled (tokens, sequences) of each step
+
+    def run(self, runner: Runner, name: str, seqs):
+        batch = build_step(seqs, self.tables, self.sampling, runner.config.page_size, runner.buckets,
+                           runner.replicas)
+        self.shapes[name] = batch.shape
+        return runner.step(batch).tokens[batch.rows]
 
     def prefill(self, runner: Runner):
-        n = len(self.prompts)
-        return runner.prefill(self.prompts, self.tables[:n], self.sampling(n))
+        return self.run(runner, "prefill", self.prefill_seqs)
 
     def decode(self, runner: Runner):
-        return runner.decode(self.tokens, self.lengths, self.tables, self.sampling(len(self.tokens)))
+        return self.run(runner, "decode", self.decode_seqs)
 
 
 def timed(fn, reps: int) -> float:
@@ -101,17 +110,14 @@ def timed(fn, reps: int) -> float:
 
 def build(cfg: ModelConfig, weights, mesh, args) -> Runner:
     rc = RunnerConfig(num_pages=1 + args.slots * (-(-args.max_len // args.page_size)), page_size=args.page_size,
-                      max_slots=args.slots, max_model_len=args.max_len, max_prefill_batch=args.prefill_batch,
-                      max_prefill_tokens=args.prefill_batch * args.prompt_len)
+                      max_slots=args.slots, max_model_len=args.max_len,
+                      max_num_batched_tokens=max(args.slots, args.prefill_batch * args.prompt_len))
     return Runner(Transformer(cfg, weights), rc, mesh=mesh)
 
 
-def hlo_counts(runner: Runner) -> dict[str, dict[str, int]]:
+def hlo_counts(runner: Runner, work: Workload) -> dict[str, dict[str, int]]:
     """Collectives of the compiled prefill and decode steps (the only two compiled)."""
-    out = {}
-    for key, compiled in runner._compiled.items():
-        out["decode" if key[0] else "prefill"] = count_collectives(compiled.as_text())
-    return out
+    return {name: count_collectives(runner._compiled[(shape, False)].as_text()) for name, shape in work.shapes.items()}
 
 
 def run_mesh(shape: str, cfg: ModelConfig, weights, one_layer: tuple, args) -> dict:
@@ -122,14 +128,14 @@ def run_mesh(shape: str, cfg: ModelConfig, weights, one_layer: tuple, args) -> d
     prefill_s = timed(lambda: work.prefill(runner), args.reps)
     decode_s = timed(lambda: work.decode(runner), args.reps)
     assert runner.num_compiles == 2, runner._compiled.keys()
-    total = hlo_counts(runner)
+    total = hlo_counts(runner, work)
     small = build(*one_layer, mesh, args)  # same mesh, 1 layer: only compiled, for per-layer counts
     small_work = Workload(small, args.prefill_batch, args.prompt_len, args.context)
     small_work.prefill(small), small_work.decode(small)
-    base = hlo_counts(small)
+    base = hlo_counts(small, small_work)
     per_layer = {step: {op: (total[step][op] - base[step][op]) / (cfg.num_layers - 1) for op in COLLECTIVES}
                  for step in total}
-    first = runner.decode(work.tokens, work.lengths, work.tables, work.sampling(args.slots)).tokens
+    first = work.decode(runner)
     return {"mesh": shape, "data": data, "model": model,
             "prefill_ms": prefill_s * 1e3, "decode_ms": decode_s * 1e3,
             "param_bytes_per_device": sharding.bytes_per_device(runner.state),

@@ -86,6 +86,10 @@ def test_kv_heads_that_do_not_divide_the_model_axis_are_replicated():
     assert run_check("replicated_kv")["tokens"] == expected
 
 
+def test_pallas_kernel_runs_per_shard(reference_tokens):
+    assert run_check("generate", "2x4", "pallas")["tokens"] == reference_tokens
+
+
 def test_bad_meshes_raise_clear_errors():
     run_check("bad_meshes")
 
@@ -97,10 +101,11 @@ def test_orbax_save_then_restore_under_another_mesh(tmp_path, reference_tokens):
 
 # ---- the checks, run in the subprocess ----
 
-def check_generate(shape: str) -> dict:
+def check_generate(shape: str, backend: str = "reference") -> dict:
     from jaxserve import Engine
     cfg = tiny_config()
-    engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)))
+    engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)).replace(attention_backend=backend))
+    assert engine.runner.config.attention_backend == backend
     tokens = generate(engine)
     before = engine.stats()["num_compiles"]
     assert generate(engine) == tokens
@@ -142,10 +147,10 @@ def check_layouts() -> dict:
     check_pool()
     generate(engine)
     check_pool()  # the donated pool keeps its layout across steps
-    decode_key = next(k for k in runner._compiled if k[0])
-    tokens_sharding = runner._compiled[decode_key].input_shardings[0][2]
-    assert tokens_sharding.spec == P("data", None), tokens_sharding  # slots split over replicas
-    assert runner._compiled[decode_key].output_shardings[1][0].is_fully_replicated
+    step = runner._compiled[next(iter(runner._compiled))]
+    tokens_sharding = step.input_shardings[0][2]
+    assert tokens_sharding.spec == P("data"), tokens_sharding  # each replica's tokens on its own devices
+    assert step.output_shardings[1][0].is_fully_replicated
     assert jax.device_count() == 8
     return {}
 
