@@ -31,6 +31,7 @@ class EngineConfig:
     max_batch_delay_ms: float = 50.0  # ... or this long after its first request
     max_num_batched_tokens: int = 256  # the token budget of one step (see the README for why 256)
     enable_chunked_prefill: bool = True  # False: a prompt runs whole in one step (the step grows to fit)
+    enable_prefix_caching: bool = True  # share the K/V of prompts' common leading pages
     max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
     mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
 
@@ -49,8 +50,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_slots:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
                              f"({self.max_slots}): every running sequence decodes one token per step")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is the null page), got {self.num_pages!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):

@@ -84,7 +84,7 @@ class Engine:
         if budget > self.runner.config.max_num_batched_tokens:
             raise ValueError(f"a step of {budget} tokens exceeds the compiled steps' "
                              f"{self.runner.config.max_num_batched_tokens}: build a new engine for this budget")
-        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size)
+        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
                             max_num_batched_tokens=budget,
@@ -131,11 +131,14 @@ class Engine:
     # ---- submitting ----
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    group: int | None = None, arrival_time: float | None = None) -> str:
+                    group: int | None = None, arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         """Validates and queues one prompt; returns its request id. Raises ValueError on bad input.
-        `arrival_time` (time.monotonic) backdates a request that arrived while a step ran."""
+        `arrival_time` (time.monotonic) backdates a request that arrived while a step ran; requests
+        with different `cache_salt`s never share prefix-cache pages."""
         params = params or SamplingParams()
         token_ids = self._validate(prompt, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -143,7 +146,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         request = Request(request_id, token_ids, params, seed, arrival_time or time.monotonic(),
-                          group=next(self._groups) if group is None else group)
+                          group=next(self._groups) if group is None else group, cache_salt=cache_salt)
         self._requests[request_id] = request
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -265,7 +268,8 @@ class Engine:
             text=text, finish_reason=r.finish_reason.value if r.finish_reason else None,
             ttft_s=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
             latency_s=None if r.finish_time is None else r.finish_time - r.arrival_time,
-            logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            num_cached_tokens=r.num_cached_tokens or 0)
 
     def _decode_text(self, r: Request) -> str:
         """Output text decoded after a few prompt tokens, so a leading space survives tokenizers
@@ -282,7 +286,8 @@ class Engine:
         self._stop_cut.pop(request_id, None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
         """Runs prompts to completion (one payload: a static batch under `strategy="static"`)."""
         prompts = _as_prompt_list(prompts)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -291,16 +296,17 @@ class Engine:
         # Validate (and tokenize) all before queueing any.
         token_lists = [self._validate(prompt, p or SamplingParams()) for prompt, p in zip(prompts, params_list)]
         group = next(self._groups)
-        ids = [self.add_request(tokens, p, group=group) for tokens, p in zip(token_lists, params_list)]
+        ids = [self.add_request(tokens, p, group=group, cache_salt=cache_salt) for tokens, p in zip(token_lists, params_list)]
         self.run_until(lambda: all(self._requests[i].finished for i in ids))
         outputs = [self.output(i) for i in ids]
         for i in ids:
             self.release(i)
         return outputs
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               cache_salt: str | None = None) -> Iterator[RequestOutput]:
         """Yields the request's state each time it gains tokens; the last one has a finish reason."""
-        request_id = self.add_request(prompt, params)
+        request_id = self.add_request(prompt, params, cache_salt=cache_salt)
         request = self._requests[request_id]
         seen = 0
         try:
@@ -329,8 +335,12 @@ class Engine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "free_pages": self.blocks.free_pages,
+            "free_pages": self.blocks.free_pages,  # unreferenced, holding nothing reusable
+            "cached_pages": self.blocks.cached_pages,  # unreferenced, holding a prefix-cache page
+            "used_pages": self.blocks.used_pages,  # read by running requests
             "total_pages": self.blocks.total_pages,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,  # prompt tokens looked up
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,  # of those, found in the cache
             "num_compiles": self.runner.num_compiles,
             "tokens_run": self.runner.tokens_run,  # real tokens through the model
             "tokens_computed": self.runner.tokens_computed,  # the same with bucket padding

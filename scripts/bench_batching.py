@@ -111,7 +111,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
             times = token_times[r.request_id]
             times += [t1] * (len(r.output_token_ids) - len(times))
         peak = max(peak, len(running))
-        reserved = (eng.blocks.total_pages - eng.blocks.free_pages) * page_size
+        reserved = eng.blocks.used_pages * page_size
         if reserved:
             kv_weighted += (t1 - t0) * sum(r.num_tokens for r in running) / reserved
             kv_time += t1 - t0
@@ -128,7 +128,8 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
     itl = [b - a for i in order for a, b in zip(token_times[ids[i]], token_times[ids[i]][1:])]
     out_tokens = sum(len(r.output_token_ids) for r in requests)
     stats = eng.stats()
-    assert stats["free_pages"] == stats["total_pages"], "KV pages leaked"
+    assert stats["used_pages"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], \
+        "KV pages leaked"
     return {
         "strategy": strategy if eng.config.enable_chunked_prefill else f"{strategy} (no chunked prefill)",
         "requests_per_s": len(requests) / makespan,

@@ -7,6 +7,11 @@ import os
 
 import pytest
 
+# The suite compiles many small shapes and runs each a few times: LLVM's optimizations cost more
+# compile time than they save (about half of each compile), and they do not change results.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
 VOCAB = 160
 CORPUS = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
           "jax compiles python functions to xla. paged attention keeps kv memory tight. ") * 4

@@ -30,7 +30,8 @@ def hf_model(llama_dir):
 def assert_idle(engine):
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["free_pages"] == stats["total_pages"], "KV pages leaked"
+    assert stats["used_pages"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], \
+        "KV pages leaked"
 
 
 def test_greedy_matches_hugging_face_generate(engine, hf_model):

@@ -21,9 +21,11 @@ class Clock:
 
 
 def make(strategy="paged", num_pages=9, page_size=4, max_slots=4, max_model_len=16, budget=64, chunked=True,
-         **policy):
+         caching=False, **policy):
+    """A scheduler over a fresh block manager. Prompts built by `req` share their leading tokens,
+    so prefix caching is off unless a test is about it."""
     clock = Clock()
-    blocks = BlockManager(num_pages, page_size)
+    blocks = BlockManager(num_pages, page_size, enable_caching=caching)
     config = SchedulerConfig(max_slots=max_slots, max_model_len=max_model_len, max_num_batched_tokens=budget,
                              enable_chunked_prefill=chunked, eos_token_ids=(EOS,))
     sched = Scheduler(config, blocks, make_policy(strategy, **policy), clock)

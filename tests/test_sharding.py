@@ -54,7 +54,8 @@ def generate(engine) -> list[list[int]]:
 # ---- the parent: one subprocess per check ----
 
 def run_check(*args) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, __file__, "--check", *args], env=env, capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, f"check {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

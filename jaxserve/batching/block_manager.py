@@ -1,9 +1,20 @@
-"""The KV page allocator: a free list and reference counts over the pool's pages.
+"""The KV page allocator: reference counts over the pool's pages, and the prefix cache on top.
 
+Every page is in exactly one state:
+  used    referenced by at least one running sequence;
+  cached  unreferenced, but holding the K/V of a full page whose content hash is known, so a later
+          prompt that starts with the same tokens can take it instead of recomputing it;
+  free    unreferenced and holding nothing reusable.
+New pages come from the free pages first, then from the cached ones in least-recently-used order
+(evicting one drops its hash). A sequence returns its pages tail first, so a chain's tail is
+evicted before its head, and a cached page that gains a reader leaves the evictable set at once.
 Page 0 is the null page: never handed out, it is where padding reads and writes.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -12,17 +23,21 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class BlockManager:
-    """Hands out pages; a page returns to the free list when its last reference is dropped."""
+    """Hands out pages and keeps the prefix cache: content hash -> page."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.enable_caching = enable_caching
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
         self._refs = [0] * num_pages
+        self._page_of: dict[bytes, int] = {}  # content hash -> cached or used page holding it
+        self._hash_of: dict[int, bytes] = {}  # and back
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
 
     @property
     def total_pages(self) -> int:
@@ -33,30 +48,75 @@ class BlockManager:
     def free_pages(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+    @property
+    def cached_pages(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def used_pages(self) -> int:
+        return self.total_pages - self.free_pages - self.cached_pages
+
+    def can_allocate(self, n: int, keeping: Sequence[int] = ()) -> bool:
+        """Whether n new pages can be had while the pages in `keeping` (about to gain a reader)
+        stay out of the eviction."""
+        kept = sum(1 for p in keeping if p in self._evictable)
+        return n <= len(self._free) + len(self._evictable) - kept
 
     def allocate(self, n: int) -> list[int]:
-        """n fresh pages, each with one reference."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV pages, only {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
+        """n pages, each with one reference: free pages first, then the least recently used cached ones."""
+        if not self.can_allocate(n):
+            raise RuntimeError(f"asked for {n} KV pages, only {len(self._free) + len(self._evictable)} available")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._hash_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        """Adds a reference to pages that another sequence now reads too."""
+    def share(self, pages: Iterable[int]) -> None:
+        """Adds a reader to pages already used or cached (a prefix-cache hit)."""
         for p in pages:
-            if self._refs[p] == 0:
-                raise RuntimeError(f"page {p} is not allocated")
+            if self._refs[p] == 0 and p not in self._evictable:
+                raise RuntimeError(f"page {p} holds nothing to share")
+            self._evictable.pop(p, None)
             self._refs[p] += 1
 
-    def free(self, pages: list[int]) -> None:
-        """Drops one reference from each page; unreferenced pages become free."""
+    def free(self, pages: Iterable[int]) -> None:
+        """Drops one reference from each page, in the order given: an unreferenced page becomes
+        cached (most recently used) if it holds a known hash, else free."""
         for p in pages:
             if p == 0 or self._refs[p] == 0:
                 raise RuntimeError(f"page {p} is not allocated")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                if p in self._hash_of:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+
+    # ---- the prefix cache ----
+
+    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
+        """The pages holding the longest run of `hashes` from the first (no side effects)."""
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def cache(self, page: int, content_hash: bytes) -> None:
+        """Records that a used page now holds the full page `content_hash`. A hash already held
+        by another page keeps that page; this one stays unhashed and is freed as usual."""
+        if not self.enable_caching or page in self._hash_of or content_hash in self._page_of:
+            return
+        self._page_of[content_hash] = page
+        self._hash_of[page] = content_hash
+
+    def is_cached(self, content_hash: bytes) -> bool:
+        return content_hash in self._page_of

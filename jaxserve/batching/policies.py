@@ -19,6 +19,10 @@ class Policy:
     """Base: admit everything that fits (continuous and paged differ only in page reservation)."""
 
     reserve_full_context: bool = False  # reserve pages for max_model_len at admission
+    # Hold back a request whose prompt's next page another running request is computing, so a
+    # shared prefix is computed once. Only for the policies that admit whatever fits: the others
+    # promise that a batch starts together.
+    waits_for_shared_prefix: bool = True
 
     def admissible(self, waiting: deque[Request], num_running: int, now: float) -> int:
         return len(waiting)
@@ -28,6 +32,8 @@ class Policy:
 class NoBatching(Policy):
     """One request at a time, in arrival order."""
 
+    waits_for_shared_prefix: bool = False
+
     def admissible(self, waiting, num_running, now):
         return 0 if num_running else min(1, len(waiting))
 
@@ -35,6 +41,8 @@ class NoBatching(Policy):
 @dataclasses.dataclass(frozen=True)
 class StaticBatching(Policy):
     """A client payload runs as one batch to completion; nothing joins it."""
+
+    waits_for_shared_prefix: bool = False
 
     def admissible(self, waiting, num_running, now):
         if num_running or not waiting:
@@ -55,6 +63,7 @@ class DynamicBatching(Policy):
 
     batch_size: int = 8
     max_batch_delay_s: float = 0.05
+    waits_for_shared_prefix: bool = False
 
     def admissible(self, waiting, num_running, now):
         if num_running or not waiting:

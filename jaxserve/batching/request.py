@@ -26,7 +26,9 @@ class Request:
     """Mutable host-side state of one sequence.
 
     `num_computed_tokens` counts the tokens whose K/V are in the pool: a prompt advances chunk by
-    chunk, and a sequence decodes once only its last sampled token is left to compute. `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
+    chunk, and a sequence decodes once only its last sampled token is left to compute. `page_hashes`
+    are the content hashes of its full pages (prefix caching), `cache_salt` keeps tenants apart.
+    `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
     caller gave none. `group` ties the prompts of one client payload together (static batching).
     """
 
@@ -36,6 +38,7 @@ class Request:
     seed: int
     arrival_time: float
     group: int = 0
+    cache_salt: str | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -43,6 +46,9 @@ class Request:
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_pages: int = 0  # leading pages recorded in the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_token_time: float | None = None
     finish_time: float | None = None
     admit_time: float | None = None  # first admission, for queue-time metrics
@@ -84,6 +90,7 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,13 @@ The strategy decides who is admitted; the budget decides how many tokens run. Ad
 pages for the whole prompt at once, so a prefill in progress never waits for memory; with chunked
 prefill off, a prompt runs whole in one step.
 
+Prefix caching: admission looks the prompt's leading full pages up by content hash; each hit is
+shared (one more reader) and the prefill starts after it, but the last prompt token is always
+computed, so a first token can be sampled. As pages fill with computed tokens, `update` records
+them in the cache; a finished, aborted or preempted request's pages stay there until evicted.
+A request whose next page another running request is computing waits for it (paged and
+continuous only), so a prefix shared by many requests that arrive together is computed once.
+
 The slot table holds, per slot, what the runner reads as fixed-shape host arrays: the block table
 row and the sampling parameters.
 """
@@ -27,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.batching.block_manager import BlockManager, pages_for
+from jaxserve.batching.page_hash import ROOT, hash_page
 from jaxserve.batching.policies import Policy
 from jaxserve.batching.request import FinishReason, Request, RequestStatus
 
@@ -101,7 +109,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
+        self._computing: dict[bytes, Request] = {}  # full prompt pages being computed, by hash
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission ...
+        self.prefix_cache_hits = 0  # ... and found
 
     # ---- queue ----
 
@@ -161,25 +172,67 @@ class Scheduler:
         return preempted
 
     def _admit(self) -> list[Request]:
-        admitted = []
+        admitted, held_back = [], []
         allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
+        page_size = self.blocks.page_size
         while allowed > 0 and self.waiting and self._free_slots:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
+            hits, hashes = self._cache_hits(request)
+            if self.policy.waits_for_shared_prefix and len(hits) < len(hashes) and hashes[len(hits)] in self._computing:
+                held_back.append(request)  # its next page is being computed: take it from the cache later
+                continue
             tokens = self.config.max_model_len if self.policy.reserve_full_context else request.num_tokens
-            needed = pages_for(tokens, self.blocks.page_size)
-            if not self.blocks.can_allocate(needed):
+            needed = pages_for(tokens, page_size) - len(hits)
+            if not self.blocks.can_allocate(needed, keeping=hits):
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.slot = heapq.heappop(self._free_slots)
             if request.admit_time is None:
                 request.admit_time = self.clock()
             self.running.append(request)
-            self._add_pages(request, self.blocks.allocate(needed))
+            self.blocks.share(hits)
+            self._add_pages(request, hits + self.blocks.allocate(needed))
+            request.num_computed_tokens = request.num_cached_pages = len(hits)
+            request.num_computed_tokens *= page_size
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += request.num_computed_tokens
+            for h in hashes[len(hits):]:
+                self._computing.setdefault(h, request)
             self.table.fill(request.slot, request)
             admitted.append(request)
             allowed -= 1
+        self.waiting.extendleft(reversed(held_back))
         return admitted
+
+    def _cache_hits(self, request: Request) -> tuple[list[int], list[bytes]]:
+        """The cached pages of the request's prompt and the hashes of the pages that may be looked
+        up: the full pages before its last token (which is always computed)."""
+        if not self.blocks.enable_caching:
+            return [], []
+        hashes = self._page_hashes(request, (request.num_tokens - 1) // self.blocks.page_size)
+        return self.blocks.lookup(hashes), hashes
+
+    def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
+        """The request's first `num_pages` page hashes (computed once, kept on the request)."""
+        hashes, size = request.page_hashes, self.blocks.page_size
+        for i in range(len(hashes), num_pages):
+            hashes.append(hash_page(hashes[i - 1] if i else ROOT, request.token_ids(i * size, (i + 1) * size),
+                                    request.cache_salt))
+        return hashes[:num_pages]
+
+    def _cache_computed_pages(self, request: Request) -> None:
+        """Records the request's pages that are now full of computed tokens in the prefix cache."""
+        full = request.num_computed_tokens // self.blocks.page_size
+        if not self.blocks.enable_caching or full <= request.num_cached_pages:
+            return
+        for i, h in enumerate(self._page_hashes(request, full)[request.num_cached_pages:], request.num_cached_pages):
+            self.blocks.cache(request.pages[i], h)
+            if self._computing.get(h) is request:
+                del self._computing[h]
+        request.num_cached_pages = full
 
     def _add_pages(self, request: Request, pages: list[int]) -> None:
         start = len(request.pages)
@@ -189,8 +242,11 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.pages:
-            self.blocks.free(request.pages)
+            self.blocks.free(reversed(request.pages))  # tail first: evicted before the head
             request.pages = []
+        for h in request.page_hashes:
+            if self._computing.get(h) is request:
+                del self._computing[h]
         if request.slot is not None:
             self.table.clear(request.slot)
             heapq.heappush(self._free_slots, request.slot)
@@ -202,7 +258,7 @@ class Scheduler:
         """Frees a running sequence's pages; it is recomputed from its tokens when readmitted."""
         self._release(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_cached_pages = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -220,6 +276,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
+            self._cache_computed_pages(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk that is not the last: no token yet
             token = int(tokens[i])

@@ -1,0 +1,22 @@
+"""Content hashes of full KV pages, chained so that a page's hash names its whole prefix.
+
+hash(page i) = SHA-256(hash(page i - 1), the page's token ids, the request's cache salt)
+
+A strong hash, so a collision can never serve another prompt's K/V; the salt keeps tenants that
+pass different `cache_salt`s from ever sharing a page. A partly filled page has no hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Sequence
+
+ROOT = b""  # the parent of a sequence's first page
+
+
+def hash_page(parent: bytes, token_ids: Sequence[int], salt: str | None) -> bytes:
+    digest = hashlib.sha256(parent)
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(b"\0" if salt is None else b"\1" + salt.encode())
+    return digest.digest()
