@@ -13,8 +13,11 @@ Requests arrive all at once (`--rate inf`) or as a Poisson process; output lengt
 transformers (static padded batches) and llama-cpp-python (batched decoding) as baseline rows.
 `--long-prompts COUNT:LEN` sends COUNT prompts of LEN tokens once every other request is
 decoding; the ITL columns (inter-token latency p50, p99, max) are those of the other requests.
-`--no-chunked-prefill` adds rows from a second engine that prefills every prompt whole. The
-"pad" column is tokens computed (bucket padding included) per real token.
+`--no-chunked-prefill` adds rows from a second engine that prefills every prompt whole, and
+`--no-prefix-caching` rows with the prefix cache off. `--shared-prefix-len N` gives every prompt
+the same first N tokens (then `--input-len` tokens of its own) and implies `--no-prefix-caching`.
+The "pad" column is tokens computed (bucket padding included) per real token, "hits" the share of
+prompt tokens found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ def make_workload(args, vocab_size: int) -> Workload:
     olo, ohi = args.output_len
     n = args.num_requests
     # Ordinary-vocabulary ids: skip the low ids where special tokens live.
-    prompts = [rng.integers(min(1000, vocab_size // 4), min(vocab_size, 200_000), size=rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
+    words = (min(1000, vocab_size // 4), min(vocab_size, 200_000))  # skip the low ids where special tokens live
+    prefix = rng.integers(*words, size=args.shared_prefix_len).tolist()
+    prompts = [prefix + rng.integers(*words, size=rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
     output_lens = rng.integers(olo, ohi + 1, size=n).tolist()
     if math.isinf(args.rate):
         arrivals = [0.0] * n
@@ -57,7 +62,7 @@ def make_workload(args, vocab_size: int) -> Workload:
         arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=n)).tolist()
     count, length = args.long_prompts or (0, 0)
     late = list(range(n, n + count))
-    prompts += [rng.integers(min(1000, vocab_size // 4), min(vocab_size, 200_000), size=length).tolist() for _ in late]
+    prompts += [rng.integers(*words, size=length).tolist() for _ in late]
     output_lens += [olo] * count
     arrivals += [math.inf] * count
     return Workload(prompts, output_lens, arrivals, late)
@@ -67,9 +72,10 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
+def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: bool = True) -> dict:
     """Replays the workload's arrivals against one strategy; returns its row of figures."""
-    eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms)
+    eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
+                               enable_prefix_caching=caching)
     stats0 = eng.stats()
     page_size = eng.config.page_size
     order = sorted(range(len(work.prompts) - len(work.late)), key=lambda i: work.arrivals[i])
@@ -130,8 +136,10 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
     stats = eng.stats()
     assert stats["used_pages"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], \
         "KV pages leaked"
+    label = strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
+    queries = stats["prefix_cache_queries"] - stats0["prefix_cache_queries"]
     return {
-        "strategy": strategy if eng.config.enable_chunked_prefill else f"{strategy} (no chunked prefill)",
+        "strategy": label + ("" if caching else " (no prefix caching)"),
         "requests_per_s": len(requests) / makespan,
         "output_tokens_per_s": out_tokens / makespan,
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
@@ -140,6 +148,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args) -> dict:
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "peak_concurrent": peak,
         "kv_utilization": kv_weighted / kv_time if kv_time else float("nan"),
+        "prefix_hit_rate": (stats["prefix_cache_hits"] - stats0["prefix_cache_hits"]) / queries if queries else 0.0,
         "padding": (stats["tokens_computed"] - stats0["tokens_computed"]) / (stats["tokens_run"] - stats0["tokens_run"]),
         "preemptions": stats["num_preemptions"] - stats0["num_preemptions"],
         "compiles_during_run": stats["num_compiles"] - stats0["num_compiles"],
@@ -210,6 +219,7 @@ COLUMNS = [("strategy", "strategy", "{}"), ("req/s", "requests_per_s", "{:.2f}")
            ("ITL p50", "itl_p50_s", "{:.3f}"), ("ITL p99", "itl_p99_s", "{:.3f}"), ("ITL max", "itl_max_s", "{:.3f}"),
            ("E2E p50", "e2e_p50_s", "{:.2f}"), ("E2E p99", "e2e_p99_s", "{:.2f}"),
            ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"), ("pad", "padding", "{:.3f}"),
+           ("hits", "prefix_hit_rate", "{:.1%}"),
            ("preempt", "preemptions", "{}"), ("compiles", "compiles_during_run", "{}")]
 
 
@@ -273,6 +283,8 @@ def main(argv=None) -> None:
                    help="token budget of a step")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="also run every strategy on an engine that prefills prompts whole")
+    p.add_argument("--no-prefix-caching", action="store_true", help="also run every strategy with the prefix cache off")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -293,7 +305,10 @@ def main(argv=None) -> None:
               f"compiled in {time.monotonic() - t0:.1f} s; KV pool {engine.stats()['total_pages']} pages of "
               f"{engine.config.page_size} tokens; chunked prefill {config.enable_chunked_prefill}", file=sys.stderr)
         work = make_workload(args, engine.model_config.vocab_size)
-        rows += [run_strategy(engine, s, work, args) for s in args.strategies.split(",") if s]
+        for s in filter(None, args.strategies.split(",")):
+            rows.append(run_strategy(engine, s, work, args))
+            if args.no_prefix_caching or args.shared_prefix_len:
+                rows.append(run_strategy(engine, s, work, args, caching=False))
     peers = [p for p in args.peer.split(",") if p]
     if "hf" in peers:
         rows.append(run_hf_peer(args.model, work, args))

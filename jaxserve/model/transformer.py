@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import MLP, Attention, RMSNorm
+from jaxserve.model.layers import MLP, Attention, RMSNorm, dense
 from jaxserve.model.paged_attention import Attend, StepMetadata
 from jaxserve.model.weights import check_weights
 
@@ -46,7 +46,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder built from canonical weights (see `jaxserve.model.weights`)."""
+    """Decoder built from canonical weights (see `jaxserve.model.weights`). Matrices are kept in
+    `dtype`; norms, biases and the activations between layers are float32."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
                  source: str = "weights"):
@@ -54,16 +55,16 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Param(jnp.asarray(weights["embed"], dtype))  # [V, D]
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(jnp.asarray(weights["lm_head"], dtype))
-        self.final_norm = RMSNorm(jnp.asarray(weights["final_norm"], dtype), cfg.rms_norm_eps)
+        self.final_norm = RMSNorm(jnp.asarray(weights["final_norm"], jnp.float32), cfg.rms_norm_eps)
         self.layers = nnx.List([
             DecoderLayer(cfg, i, _layer_weights(cfg, weights, i, dtype)) for i in range(cfg.num_layers)])
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
         """tokens: [T] int32; logits_indices: [R] tokens whose logits to return (None: all).
         Returns (logits [R or T, V] float32, new kv_pool)."""
-        x = self.embed[...][tokens]  # [T, D]
+        x = self.embed[...][tokens].astype(jnp.float32)  # [T, D]
         if self.cfg.embed_scale != 1.0:
-            x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
+            x = x * self.cfg.embed_scale
         new_pool = []
         for layer, kv in zip(self.layers, kv_pool):
             x, kv = layer(x, kv, meta, attend)
@@ -72,7 +73,7 @@ class Transformer(nnx.Module):
             x = x[logits_indices]  # [R, D]: only the rows that sample pay for the output layer
         x = self.final_norm(x)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = (x @ head).astype(jnp.float32)
+        logits = dense(x, head)
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)
@@ -88,6 +89,7 @@ def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, 
     """
     p = f"layers.{i}."
     get = lambda name: jnp.asarray(weights[p + name], dtype)
+    get32 = lambda name: jnp.asarray(weights[p + name], jnp.float32)
     n, k = cfg.num_kv_heads, cfg.head_dim
 
     def group(q, key, value):  # [..., H K], [..., N K], [..., N K] -> [..., N (G + 2) K]
@@ -98,9 +100,9 @@ def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, 
     w = {"qkv": group(get("q_proj"), get("k_proj"), get("v_proj")),
          "gate_up": jnp.stack([get("gate_proj"), get("up_proj")], axis=-1).reshape(cfg.hidden_size, -1)}
     if p + "q_bias" in weights:
-        w["qkv_bias"] = group(get("q_bias"), get("k_bias"), get("v_bias"))
-    for name in ("o_proj", "down_proj", "attn_norm", "mlp_norm", "q_norm", "k_norm",
-                 "post_attn_norm", "post_mlp_norm"):
+        w["qkv_bias"] = group(get32("q_bias"), get32("k_bias"), get32("v_bias"))
+    w["o_proj"], w["down_proj"] = get("o_proj"), get("down_proj")
+    for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
         if p + name in weights:
-            w[name] = get(name)
+            w[name] = get32(name)
     return w
