@@ -32,6 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256  # the token budget of one step (see the README for why 256)
     enable_chunked_prefill: bool = True  # False: a prompt runs whole in one step (the step grows to fit)
     enable_prefix_caching: bool = True  # share the K/V of prompts' common leading pages
+    async_scheduling: bool = True  # schedule and dispatch step N+1 before step N's tokens reach the host
     max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
     mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
 
@@ -50,7 +51,7 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_slots:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
                              f"({self.max_slots}): every running sequence decodes one token per step")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):

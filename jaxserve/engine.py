@@ -2,8 +2,12 @@
 
     prompt -> tokenizer.encode -> Request -> scheduler.waiting
     step(): scheduler.schedule (grow pages / preempt, admit, fill the token budget: decodes first,
-            then prompt chunks) -> build_step (flat ragged arrays) -> runner.step (one compiled call)
-            -> scheduler.update (advance computed tokens, append sampled ones, retire)
+            then prompt chunks) -> build_step (flat ragged arrays) -> runner.dispatch (one compiled
+            call) -> scheduler.advance (computed tokens, pending sampled ones)
+            -> collect the previous step: its tokens to the host -> scheduler.commit (append, retire)
+    With async scheduling the host schedules and dispatches step N+1 while the device runs step N;
+    a token is pending (sampled, still on the device) for one step, and a request that stops on
+    EOS or a stop token may compute one token too many, which is dropped.
     finished Request -> RequestOutput (text decoded once, stop strings applied while streaming)
 
 The engine is single-threaded: `generate` and `stream` drive `step` themselves; the server drives
@@ -28,7 +32,7 @@ from jaxserve.batching.block_manager import pages_for
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
 from jaxserve.host_memory import keep_freed_memory
-from jaxserve.kv_pool import allocate_kv_pool, pages_in_budget
+from jaxserve.kv_pool import pages_in_budget
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
@@ -97,6 +101,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}  # requests with stop strings
         self._stop_cut: dict[str, int] = {}  # where a stop string cut the text
         self.idle = True  # the last step had nothing to run
+        self._in_flight = None  # the dispatched step whose tokens are not on the host yet
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self._groups = itertools.count(1)
@@ -194,35 +199,50 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """One scheduler iteration (one compiled call); returns the requests that finished during it."""
-        schedule = self.scheduler.schedule()
-        self.idle = schedule.empty
+        """One iteration: schedules and dispatches the next step, then collects the step before it
+        (or, without async scheduling, this one). Returns the requests that finished."""
         finished: list[Request] = []
-        if not schedule.empty:
-            try:
-                finished += self._run(schedule)
-            except Exception:  # keep serving: the step's requests end with `error`, the rest go on
-                log.exception("engine step failed")
-                self.num_errors += 1
-                for request in schedule.num_tokens:
+        schedule = self.scheduler.schedule()
+        try:
+            launched = self._launch(schedule) if not schedule.empty else None
+            if self._in_flight is not None:
+                finished += self._collect(*self._in_flight)
+            self._in_flight = launched
+            if launched is not None and not self.config.async_scheduling:
+                self._in_flight = None
+                finished += self._collect(*launched)
+        except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
+            log.exception("engine step failed")
+            self.num_errors += 1
+            failed = [schedule] + ([self._in_flight[0]] if self._in_flight else [])
+            self._in_flight = None
+            for request in {r: None for s in failed for r in s.num_tokens}:
+                if not request.finished:
                     self.scheduler.finish(request, FinishReason.ERROR)
                     finished.append(request)
-                self._recover_pool()
+            self.runner.recover()
+        self.idle = schedule.empty and self._in_flight is None
         finished += self._apply_stop_strings()
         return finished
 
-    def _run(self, schedule) -> list[Request]:
-        requests = list(schedule.num_tokens)
+    def _launch(self, schedule):
+        """Builds and dispatches a step, and advances the scheduler past it."""
         seqs = [ScheduledSeq(r.slot, r.num_computed_tokens,
-                             r.token_ids(r.num_computed_tokens, r.num_computed_tokens + n))
+                             r.token_ids(r.num_computed_tokens, r.num_computed_tokens + n), schedule.samples(r))
                 for r, n in schedule.num_tokens.items()]
         table = self.scheduler.table
         batch = build_step(seqs, table.block_tables, SamplingBatch.from_table(table), self.config.page_size,
                            self.runner.buckets, self.runner.replicas)
-        want_logprobs = any(r.params.logprobs is not None and schedule.samples(r) for r in requests)
-        out = self.runner.step(batch, logprobs=want_logprobs)
-        return self.scheduler.update(schedule, out.tokens[batch.rows],
-                                     _logprob_dicts(out.logprobs, batch.rows, requests))
+        want_logprobs = any(r.params.logprobs is not None for r in schedule.sampling)
+        in_flight = self.runner.dispatch(batch, logprobs=want_logprobs)
+        self.scheduler.advance(schedule)
+        return schedule, batch.rows, in_flight
+
+    def _collect(self, schedule, rows, in_flight) -> list[Request]:
+        """Brings a dispatched step's tokens to the host and commits them."""
+        out = self.runner.collect(in_flight)
+        requests = list(schedule.num_tokens)
+        return self.scheduler.commit(schedule, out.tokens[rows], _logprob_dicts(out.logprobs, rows, requests))
 
     def _apply_stop_strings(self) -> list[Request]:
         """Detokenizes the requests that have stop strings (only those: no per-slot work for the
@@ -242,13 +262,6 @@ class Engine:
                 elif request.finish_reason is FinishReason.LENGTH:
                     request.finish_reason = FinishReason.STOP  # the last token completed a stop string
         return finished
-
-    def _recover_pool(self) -> None:
-        """A failed step may have consumed the donated pool: allocate a fresh one if so."""
-        if any(k.is_deleted() or v.is_deleted() for k, v in self.runner.kv_pool):
-            cfg = self.runner.config
-            self.runner.kv_pool = allocate_kv_pool(self.model_config, cfg.num_pages, cfg.page_size,
-                                                   self.runner.kv_pool[0][0].dtype)
 
     # ---- results ----
 

@@ -1,5 +1,10 @@
-"""The compiled model step over the paged KV pool: one verb, `step`, for a ragged batch of decode
-tokens and prompt chunks. The runner computes and never decides what runs.
+"""The compiled model step over the paged KV pool: one verb, `step` (or `dispatch` then
+`collect`), for a ragged batch of decode tokens and prompt chunks. The runner computes and never
+decides what runs.
+
+Each step also keeps every sampling slot's token on the device (`slot_tokens`), and a token the
+host does not have yet is read from there: so step N+1 can be dispatched before step N's tokens
+reach the host, and the host's scheduling overlaps the device's work.
 
 The step is compiled ahead of time once per (token, sequence) bucket of `StepBuckets` and
 counted, so a steady workload compiles nothing new. The KV pool is donated to each step and
@@ -14,6 +19,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -35,6 +41,14 @@ class RunnerConfig:
     max_num_batched_tokens: int  # the largest step
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
     num_logprobs: int = 5
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its outputs still on the device, being copied to the host."""
+
+    outputs: tuple
+    logprobs: bool
 
 
 @dataclasses.dataclass
@@ -62,6 +76,7 @@ class Runner:
             self.attend = sharding.per_shard_attention(self.attend, mesh, model.cfg)
         self.kv_sharding = kv_sharding
         self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, dtype, kv_sharding)
+        self.slot_tokens = self._zeros_slot_tokens()  # [max_slots] each slot's last sampled token
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         # Each replica's slice is bucketed; a replica holds at most its share of the slots.
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
@@ -69,7 +84,7 @@ class Runner:
         self._compiled: dict[tuple, object] = {}
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding
-        self._jitted = jax.jit(self._step, static_argnames=("logprobs",), donate_argnums=(1,))
+        self._jitted = jax.jit(self._step, static_argnames=("logprobs",), donate_argnums=(1, 2))
 
     @property
     def num_compiles(self) -> int:
@@ -77,28 +92,53 @@ class Runner:
 
     def step(self, batch: StepBatch, logprobs: bool = False) -> StepOutput:
         """Runs one ragged batch: writes every token's K/V, samples one token per sequence row."""
+        return self.collect(self.dispatch(batch, logprobs))
+
+    def dispatch(self, batch: StepBatch, logprobs: bool = False) -> InFlight:
+        """Starts a step on the device and returns at once."""
         key = (batch.shape, logprobs)
-        inputs = (batch.tokens, batch.meta, batch.logits_indices, batch.sampling)
+        inputs = (batch.tokens, batch.token_slots, batch.meta, batch.logits_indices, batch.sampling,
+                  batch.sample_slots)
         if self.mesh is not None:
             inputs = self._place(inputs)
-        args = (self.state, self.kv_pool, *inputs)
+        args = (self.state, self.kv_pool, self.slot_tokens, *inputs)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._compile(args, logprobs)
-        self.kv_pool, out = compiled(*args)
+        self.kv_pool, self.slot_tokens, out = compiled(*args)
         self.tokens_run += batch.num_tokens
         self.tokens_computed += batch.shape[0]
-        out = jax.device_get(out)  # the one device-to-host transfer of the step
-        return StepOutput(tokens=out[0], logprobs=out[1:] if logprobs else None)
+        for x in out:
+            x.copy_to_host_async()
+        return InFlight(out, logprobs)
 
-    def _step(self, state, kv_pool, tokens, meta: StepMetadata, logits_indices, sampling: SamplingBatch, *,
-              logprobs: bool):
+    def collect(self, step: InFlight) -> StepOutput:
+        """Waits for a dispatched step's sampled tokens (the one device-to-host transfer of a step)."""
+        out = jax.device_get(step.outputs)
+        return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
+
+    def _step(self, state, kv_pool, slot_tokens, tokens, token_slots, meta: StepMetadata, logits_indices,
+              sampling: SamplingBatch, sample_slots, *, logprobs: bool):
         model = nnx.merge(self.graphdef, state)
+        tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], tokens)
         logits, kv_pool = model(tokens, kv_pool, meta, attend=self.attend, logits_indices=logits_indices)
         next_tokens = sample(logits, sampling, positions=meta.kv_lens)
+        slot_tokens = slot_tokens.at[sample_slots].set(next_tokens, mode="drop")
         if logprobs:
-            return kv_pool, (next_tokens, *token_logprobs(logits, next_tokens, self.config.num_logprobs))
-        return kv_pool, (next_tokens,)
+            return kv_pool, slot_tokens, (next_tokens, *token_logprobs(logits, next_tokens, self.config.num_logprobs))
+        return kv_pool, slot_tokens, (next_tokens,)
+
+    def _zeros_slot_tokens(self):
+        zeros = np.zeros(self.config.max_slots, np.int32)
+        return jnp.asarray(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
+
+    def recover(self) -> None:
+        """After a failed step, which may have consumed the donated pool: fresh state if so."""
+        if any(k.is_deleted() or v.is_deleted() for k, v in self.kv_pool):
+            self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
+                                            self.kv_pool[0][0].dtype, self.kv_sharding)
+        if self.slot_tokens.is_deleted():
+            self.slot_tokens = self._zeros_slot_tokens()
 
     # ---- compilation ----
 
@@ -108,18 +148,15 @@ class Runner:
         # Explicit layouts: params and pool keep theirs (the donated pool comes back in place),
         # step inputs are split by replica, and the sampled tokens come back replicated.
         kv = [(self.kv_sharding, self.kv_sharding)] * len(self.kv_pool)
-        inputs = jax.tree.map(lambda x: x.sharding, args[2:])
+        inputs = jax.tree.map(lambda x: x.sharding, args[3:])
+        replicated = sharding.replicated(self.mesh)
         step = jax.jit(functools.partial(self._step, logprobs=logprobs),
-                       in_shardings=(self.param_shardings, kv, *inputs),
-                       out_shardings=(kv, sharding.replicated(self.mesh)), donate_argnums=(1,))
+                       in_shardings=(self.param_shardings, kv, replicated, *inputs),
+                       out_shardings=(kv, replicated, replicated), donate_argnums=(1, 2))
         return step.lower(*args).compile()
 
     def _place(self, inputs):
-        """Host step inputs onto the mesh, split by replica; re-places a pool that was allocated
-        without the mesh (e.g. after a failed step)."""
-        if self.kv_pool[0][0].sharding != self.kv_sharding:
-            self.kv_pool = [(sharding.place(k, self.kv_sharding), sharding.place(v, self.kv_sharding))
-                            for k, v in self.kv_pool]
+        """Host step inputs onto the mesh, split by replica."""
         return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
 
     def warmup(self) -> int:
@@ -135,6 +172,7 @@ class Runner:
             meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=zeros(r * tokens), kv_lens=zeros(r * seqs),
                                 block_tables=np.zeros((r * seqs, self.pages_per_seq), np.int32),
                                 query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
-            self.step(StepBatch(zeros(r * tokens), meta, zeros(r * seqs), greedy, zeros(0)))
+            self.step(StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * seqs), greedy,
+                                np.full(r * seqs, self.config.max_slots, np.int32), zeros(0)))
         self.tokens_run, self.tokens_computed = counters  # warm-up steps are not work
         return self.num_compiles - before

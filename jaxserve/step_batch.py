@@ -3,9 +3,13 @@ the runner's compiled step takes, and the buckets that keep those shapes few.
 
     Schedule {request: tokens} ─► ScheduledSeq per request ─► StepBatch
         tokens [T]          the tokens to run, sequence after sequence (decodes first)
+        token_slots [T]     for a token still on the device (sampled by the step before): the slot
+                            whose last sampled token it is; -1 for tokens given here
         meta                positions, pool slots, kv_lens, block tables, query starts (StepMetadata)
         logits_indices [R]  each sequence's last token: the only rows that reach the output layer
         sampling [R]        each sequence's sampling parameters
+        sample_slots [R]    the slot each sampling sequence's token is kept in on the device (for
+                            the next step); out of range for the others
 
 T and R are padded to a (token, sequence) bucket. Padding tokens write to the null page and belong
 to no sequence; padding sequences have no tokens and length 0. Under a data-parallel mesh the
@@ -20,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxserve.batching.request import PENDING
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.sampling import SamplingBatch
 
@@ -30,15 +35,18 @@ class ScheduledSeq:
 
     slot: int  # its row in the slot table (block table, sampling parameters)
     start: int  # position of its first token this step: the tokens already in the pool
-    token_ids: Sequence[int]
+    token_ids: Sequence[int]  # PENDING for the token its last step sampled, still on the device
+    samples: bool = True  # whether its last token here is its last uncomputed one
 
 
 @dataclasses.dataclass
 class StepBatch:
     tokens: np.ndarray  # [T] int32
+    token_slots: np.ndarray  # [T] int32
     meta: StepMetadata
     logits_indices: np.ndarray  # [R] int32
     sampling: SamplingBatch  # [R] rows
+    sample_slots: np.ndarray  # [R] int32
     rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
     num_tokens: int = 0  # real tokens (the rest of T is padding)
 
@@ -96,6 +104,7 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
                page_size: int, buckets: StepBuckets, replicas: int = 1) -> StepBatch:
     """The padded arrays of one step. block_tables [slots, W] and sampling ([slots] rows) are the
     slot table's; each sequence reads its slot's row."""
+    num_slots = block_tables.shape[0]
     groups: list[list[int]] = [[] for _ in range(replicas)]
     for i, seq in enumerate(seqs):
         groups[seq.slot % replicas].append(i)
@@ -111,6 +120,8 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
     num_seqs = np.zeros(replicas, np.int32)
     logits_indices = np.zeros(replicas * s_size, np.int32)
     slots = np.zeros(replicas * s_size, np.int64)
+    sample_slots = np.full(replicas * s_size, num_slots, np.int32)
+    slot_of_token = np.full(replicas * t_size, -1, np.int64)
     real = np.zeros(replicas * s_size, bool)
     rows = np.zeros(len(seqs), np.int64)
     for r, group in enumerate(groups):
@@ -125,7 +136,9 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         group_slots = np.fromiter((seqs[i].slot for i in group), np.int64, n)
         rows_of_token = block_tables[group_slots[seq_of_token], pos // page_size]
         tokens[t0: t0 + total] = [t for i in group for t in seqs[i].token_ids]
+        sample_slots[s0: s0 + n] = np.where([seqs[i].samples for i in group], group_slots, num_slots)
         positions[t0: t0 + total] = pos
+        slot_of_token[t0: t0 + total] = group_slots[seq_of_token]
         slot_mapping[t0: t0 + total] = rows_of_token * page_size + pos % page_size
         kv_lens[s0: s0 + n] = starts + lens
         tables[s0: s0 + n] = block_tables[group_slots]
@@ -139,7 +152,10 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         rows[group] = s0 + np.arange(n)
     meta = StepMetadata(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=tables,
                         query_start=query_start, num_seqs=num_seqs)
-    return StepBatch(tokens, meta, logits_indices, _sampling_rows(sampling, slots, real), rows,
+    on_device = tokens == PENDING
+    return StepBatch(np.where(on_device, 0, tokens), np.where(on_device, slot_of_token, -1).astype(np.int32), meta,
+                     logits_indices,
+                     _sampling_rows(sampling, slots, real), sample_slots, rows,
                      num_tokens=sum(len(seq.token_ids) for seq in seqs))
 
 

@@ -202,12 +202,12 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on(engi
     second = small.add_request(list(range(3, 43)), SamplingParams(max_tokens=5))  # 40 tokens: 3 chunks
     small.step()
     assert small.request(second).num_computed_tokens == 15  # in the middle of its prefill
-    real_step = small.runner.step
+    real_dispatch = small.runner.dispatch
 
     def broken(*args, **kwargs):
-        monkeypatch.setattr(small.runner, "step", real_step)  # fail once
+        monkeypatch.setattr(small.runner, "dispatch", real_dispatch)  # fail once
         raise RuntimeError("device fell over")
-    monkeypatch.setattr(small.runner, "step", broken)
+    monkeypatch.setattr(small.runner, "dispatch", broken)
     finished = small.step()
     assert [r.request_id for r in finished] == [first, second]
     assert [small.output(i).finish_reason for i in (first, second)] == ["error", "error"]
@@ -215,3 +215,25 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on(engi
     small.release(second)
     assert_idle(small)
     assert small.generate("the quick", GREEDY)[0].finish_reason == "length"
+
+
+def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
+    in_order = engine.with_strategy("paged", async_scheduling=False)
+    work = prompts(8, seed=6)
+    base = in_order.generate(work, GREEDY)
+    stop = base[2].token_ids[4]  # ends request 2 (and any other that meets it) on a stop token
+    params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,)),
+              SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0, logprobs=2, ignore_eos=True)] * 3
+    expected = in_order.generate(work, params[:8])
+    got = engine.generate(work, params[:8])
+    assert engine.config.async_scheduling and not in_order.config.async_scheduling
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in expected]
+    for o, e in zip(got, expected):  # the same up to float rounding: steps may batch differently
+        assert (o.logprobs is None) == (e.logprobs is None)
+        for a, b in zip(o.logprobs or [], e.logprobs or []):
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+            np.testing.assert_allclose([a["logprob"]] + [lp for _, lp in a["top"]],
+                                       [b["logprob"]] + [lp for _, lp in b["top"]], atol=1e-5)
+    assert got[2].finish_reason == "stop" and got[2].token_ids[-1] == stop
+    assert_idle(engine)

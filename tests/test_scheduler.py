@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.batching import (BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy)
+from jaxserve.batching.request import PENDING
 
 EOS = 0
 
@@ -292,3 +293,26 @@ def test_block_manager_ref_counts():
 def test_batching_does_not_import_jax():
     code = "import sys, jaxserve.batching; assert 'jax' not in sys.modules, 'batching imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_next_step_is_scheduled_before_this_ones_tokens_arrive():
+    sched, blocks, _ = make(num_pages=33, max_model_len=32)
+    sched.add(req("a", 3, max_tokens=3))
+    sched.add(req("b", 2, max_tokens=10))
+    first = sched.schedule()
+    sched.advance(first)  # dispatched: a and b each hold a pending token
+    a, b = sched.running
+    assert a.num_tokens == 4 and a.output_token_ids == [] and a.token_ids(2, 4) == [3, PENDING]
+    second = sched.schedule()  # scheduled while the first step still runs
+    assert tokens(second) == {"a": 1, "b": 1}
+    sched.advance(second)
+    assert sched.commit(first, np.array([7, EOS])) == [b]  # b ended on EOS: its second token is dropped
+    assert b.output_token_ids == [EOS] and b.finish_reason.value == "stop" and b.num_pending_tokens == 0
+    third = sched.schedule()
+    assert tokens(third) == {"a": 1}
+    sched.advance(third)
+    assert a.stopping  # a's 3rd token is pending and will be its last
+    assert tokens(sched.schedule()) == {}  # nothing left to run while a's last token is in flight
+    assert sched.commit(second, np.array([8, 99])) == [] and a.output_token_ids == [7, 8]
+    assert sched.commit(third, np.array([9])) == [a] and a.finish_reason.value == "length"
+    assert a.output_token_ids == [7, 8, 9] and blocks.free_pages == blocks.total_pages

@@ -8,6 +8,9 @@ import enum
 from jaxserve.batching.sampling_params import SamplingParams
 
 
+PENDING = -1  # stands for a sampled token that is still on the device
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -26,7 +29,10 @@ class Request:
     """Mutable host-side state of one sequence.
 
     `num_computed_tokens` counts the tokens whose K/V are in the pool: a prompt advances chunk by
-    chunk, and a sequence decodes once only its last sampled token is left to compute. `page_hashes`
+    chunk, and a sequence decodes once only its last sampled token is left to compute. A token
+    sampled by a step whose results have not reached the host yet is pending: it counts in
+    `num_tokens` (the next step can already compute it, from the device) but is not in
+    `output_token_ids`; `stopping` marks a request whose pending token is its last. `page_hashes`
     are the content hashes of its full pages (prefix caching), `cache_salt` keeps tenants apart.
     `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
     caller gave none. `group` ties the prompts of one client payload together (static batching).
@@ -46,6 +52,8 @@ class Request:
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
+    stopping: bool = False
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_pages: int = 0  # leading pages recorded in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
@@ -56,7 +64,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -67,11 +75,13 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output, without copying the whole sequence."""
-        prompt = len(self.prompt_token_ids)
+        """Tokens [start, stop) of prompt + output (PENDING for a token still on the device),
+        without copying the whole sequence."""
+        prompt, known = len(self.prompt_token_ids), len(self.prompt_token_ids) + len(self.output_token_ids)
+        pending = [PENDING] * (stop - max(start, known)) if stop > known else []
         if start >= prompt:
-            return self.output_token_ids[start - prompt: stop - prompt]
-        return self.prompt_token_ids[start: stop] + self.output_token_ids[: max(0, stop - prompt)]
+            return self.output_token_ids[start - prompt: stop - prompt] + pending
+        return self.prompt_token_ids[start: stop] + self.output_token_ids[: max(0, stop - prompt)] + pending
 
     @property
     def finished(self) -> bool:

@@ -5,8 +5,10 @@ most recently admitted sequence when pages run out, (2) admits waiting requests 
 policy allows while slots and pages last, and (3) fills the step's token budget: one token for
 every sequence that is decoding, then prompt chunks in admission order. A request's
 `num_computed_tokens` advances by what it ran; it samples when its last prompt chunk runs, then
-decodes. After the runner has sampled, `update` appends the tokens and retires finished
-sequences, freeing their slots and pages.
+decodes. Once the step is dispatched, `advance` moves the computed counts on and gives every
+request that sampled a pending token, so the next step can be scheduled before this one's tokens
+reach the host; `commit` then appends those tokens and retires finished sequences, freeing their
+slots and pages (`update` does both, for a step run in order).
 
 The strategy decides who is admitted; the budget decides how many tokens run. Admission takes
 pages for the whole prompt at once, so a prefill in progress never waits for memory; with chunked
@@ -60,6 +62,7 @@ class Schedule:
     num_tokens: dict[Request, int]  # Requests hash by identity
     admitted: list[Request]
     preempted: list[Request]
+    sampling: set[Request] = dataclasses.field(default_factory=set)  # whose last uncomputed token runs
 
     @property
     def empty(self) -> bool:
@@ -71,7 +74,7 @@ class Schedule:
 
     def samples(self, request: Request) -> bool:
         """Whether `request` samples a token this step (its last uncomputed token runs)."""
-        return self.num_tokens[request] == request.num_uncomputed_tokens
+        return request in self.sampling
 
 
 class SlotTable:
@@ -135,13 +138,14 @@ class Scheduler:
     def schedule(self) -> Schedule:
         preempted = self._grow_running()
         admitted = [] if preempted else self._admit()
-        return Schedule(self._fill_budget(), admitted, preempted)
+        tokens = self._fill_budget()
+        return Schedule(tokens, admitted, preempted, {r for r, n in tokens.items() if n == r.num_uncomputed_tokens})
 
     def _fill_budget(self) -> dict[Request, int]:
         budget = self.config.max_num_batched_tokens
         tokens: dict[Request, int] = {}
         for request in self.running:  # decodes: at most max_slots <= budget of them
-            if request.num_uncomputed_tokens == 1:
+            if request.num_uncomputed_tokens == 1 and not request.stopping:
                 tokens[request] = 1
                 budget -= 1
         for request in self.running:  # then prompt chunks, in admission order
@@ -158,8 +162,8 @@ class Scheduler:
         """Gives each running sequence the pages its tokens need; preempts the newest when out."""
         preempted = []
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.stopping:
+                continue  # preempted earlier in this loop, or its last token is sampled
             needed = pages_for(request.num_tokens, self.blocks.page_size) - len(request.pages)
             while needed > 0 and not self.blocks.can_allocate(needed):
                 victim = self.running[-1]
@@ -224,8 +228,10 @@ class Scheduler:
         return hashes[:num_pages]
 
     def _cache_computed_pages(self, request: Request) -> None:
-        """Records the request's pages that are now full of computed tokens in the prefix cache."""
-        full = request.num_computed_tokens // self.blocks.page_size
+        """Records the request's pages that are now full of computed tokens known on the host in
+        the prefix cache."""
+        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
+        full = known // self.blocks.page_size
         if not self.blocks.enable_caching or full <= request.num_cached_pages:
             return
         for i, h in enumerate(self._page_hashes(request, full)[request.num_cached_pages:], request.num_cached_pages):
@@ -266,20 +272,37 @@ class Scheduler:
     # ---- results ----
 
     def update(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
-        """Advances every scheduled request by the tokens it ran. tokens[i] (and logprobs[i]) is the
-        token sampled for the i-th request of the schedule, kept only if that request sampled (its
-        last uncomputed token ran). Returns the requests that finished."""
+        """`advance` then `commit`: the whole bookkeeping of a step run in order."""
+        self.advance(schedule)
+        return self.commit(schedule, tokens, logprobs)
+
+    def advance(self, schedule: Schedule) -> None:
+        """Right after a step is dispatched: every scheduled request has computed its tokens, and
+        each one that sampled holds a pending token (the last one, if it reaches max_tokens or
+        the context)."""
+        for request, n in schedule.num_tokens.items():
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += n
+            if request in schedule.sampling:
+                request.num_pending_tokens += 1
+                outputs = len(request.output_token_ids) + request.num_pending_tokens
+                request.stopping = (outputs >= request.params.max_tokens
+                                    or request.num_tokens >= self.config.max_model_len)
+            self._cache_computed_pages(request)
+
+    def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
+        """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
+        i-th request of the schedule sampled, kept if it sampled. Appends them, retires finished
+        requests, and returns those."""
         finished = []
         now = self.clock()
         eos = self.config.eos_token_ids
-        for i, (request, n) in enumerate(schedule.num_tokens.items()):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += n
-            self._cache_computed_pages(request)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prompt chunk that is not the last: no token yet
+        for i, request in enumerate(schedule.num_tokens):
+            if request not in schedule.sampling or request.finished:
+                continue  # a prompt chunk that is not the last, or aborted meanwhile
             token = int(tokens[i])
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs[i])
@@ -288,8 +311,10 @@ class Scheduler:
             params = request.params
             if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos):
                 self.finish(request, FinishReason.STOP)
-            elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            elif request.stopping and not request.num_pending_tokens:
                 self.finish(request, FinishReason.LENGTH)
+            else:
+                self._cache_computed_pages(request)
             if request.finished:
                 finished.append(request)
         return finished
@@ -301,6 +326,7 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._release(request)
+        request.num_pending_tokens = 0  # a later step's token for it is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = self.clock()
