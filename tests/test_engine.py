@@ -221,7 +221,7 @@ def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
     in_order = engine.with_strategy("paged", async_scheduling=False)
     work = prompts(8, seed=6)
     base = in_order.generate(work, GREEDY)
-    stop = base[2].token_ids[4]  # ends request 2 (and any other that meets it) on a stop token
+    stop = base[0].token_ids[4]  # ends request 0 (and any other that meets it) on a stop token
     params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,)),
               SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0, logprobs=2, ignore_eos=True)] * 3
@@ -235,5 +235,5 @@ def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
             assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
             np.testing.assert_allclose([a["logprob"]] + [lp for _, lp in a["top"]],
                                        [b["logprob"]] + [lp for _, lp in b["top"]], atol=1e-5)
-    assert got[2].finish_reason == "stop" and got[2].token_ids[-1] == stop
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop
     assert_idle(engine)
