@@ -6,7 +6,7 @@ import dataclasses
 
 from jaxserve.batching.policies import STRATEGIES
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("auto", "pallas", "reference")
 
 
@@ -24,7 +24,8 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_bytes: int = 1 << 30
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights; "auto": bfloat16 (float32 accumulation, float32 activations)
+    kv_cache_dtype: str = "auto"  # the KV pool; "auto": the weights' dtype
     attention_backend: str = "auto"
     seed: int = 0
     batch_size: int = 8  # dynamic batching: close a batch at this many requests ...
@@ -39,8 +40,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         for name in ("max_slots", "page_size", "kv_cache_bytes", "batch_size", "max_num_batched_tokens",
@@ -64,6 +66,16 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.mesh is not None and any(not isinstance(v, int) or v <= 0 for v in self.mesh.values()):
             raise ValueError(f"mesh axis sizes must be integers > 0, got {self.mesh!r}")
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the weights are kept in: "auto" is bfloat16 on every backend (float32 stays
+        for exact parity with Hugging Face)."""
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.weights_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def step_token_budget(self, max_model_len: int) -> int:
         """Tokens one step may run. Without chunked prefill a whole prompt must fit beside every

@@ -24,6 +24,7 @@ import time
 from typing import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutput, SamplingParams, Scheduler,
@@ -66,7 +67,8 @@ class Engine:
         if self.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
-        num_pages = config.num_pages or pages_in_budget(model_config, config.kv_cache_bytes, config.page_size, config.dtype)
+        num_pages = config.num_pages or pages_in_budget(model_config, config.kv_cache_bytes, config.page_size,
+                                                        config.kv_dtype)
         pages_per_seq = pages_for(self.max_model_len, config.page_size)
         if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
@@ -74,11 +76,12 @@ class Engine:
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV page")
         self.backend = _resolve_backend(config.attention_backend)
-        model = Transformer(model_config, weights, np.dtype(config.dtype) if config.dtype == "float32" else "bfloat16")
+        model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))
         self.runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
-            max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS), mesh=make_mesh(config.mesh) if config.mesh else None)
+            max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS,
+            kv_dtype=config.kv_dtype), mesh=make_mesh(config.mesh) if config.mesh else None)
         self._reset_scheduler()
 
     def _reset_scheduler(self) -> None:
@@ -130,7 +133,7 @@ class Engine:
         config = config or EngineConfig()
         # With a mesh, an Orbax checkpoint is restored straight into sharded arrays.
         sharding_for = (lambda cfg: canonical_sharding_for(make_mesh(config.mesh), cfg)) if config.mesh else None
-        model_config, weights, tokenizer, name = load_model(path, config.dtype, sharding_for)
+        model_config, weights, tokenizer, name = load_model(path, config.weights_dtype, sharding_for)
         return cls(model_config, weights, tokenizer, config, model_name=name)
 
     # ---- submitting ----

@@ -41,6 +41,7 @@ class RunnerConfig:
     max_num_batched_tokens: int  # the largest step
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
     num_logprobs: int = 5
+    kv_dtype: str = "float32"
 
 
 @dataclasses.dataclass
@@ -64,7 +65,6 @@ class Runner:
         self.model_config = model.cfg
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
-        dtype = model.embed[...].dtype
         self.attend = attention_fn(config.attention_backend)
         self.replicas = 1
         kv_sharding = None
@@ -75,12 +75,15 @@ class Runner:
             kv_sharding = sharding.kv_pool_sharding(mesh, model.cfg)
             self.attend = sharding.per_shard_attention(self.attend, mesh, model.cfg)
         self.kv_sharding = kv_sharding
-        self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, dtype, kv_sharding)
+        self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, jnp.dtype(config.kv_dtype),
+                                        kv_sharding)
         self.slot_tokens = self._zeros_slot_tokens()  # [max_slots] each slot's last sampled token
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
-        # Each replica's slice is bucketed; a replica holds at most its share of the slots.
+        # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
+        # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there.
+        one_row_trap = jax.default_backend() == "cpu" and model.embed[...].dtype == jnp.bfloat16
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
-                                   max_seqs=config.max_slots // self.replicas)
+                                   max_seqs=config.max_slots // self.replicas, min_rows=2 if one_row_trap else 1)
         self._compiled: dict[tuple, object] = {}
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding

@@ -56,9 +56,10 @@ class StepBatch:
         return len(self.tokens), len(self.logits_indices)
 
 
-def _series(high: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers of two, and their midpoints from 16 on), then high."""
-    sizes, size = [], 1
+def _series(high: int, low: int = 1) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers of two, and their midpoints from 16 on), then
+    high; from `low` on."""
+    sizes, size = [], low
     while size < high:
         sizes.append(size)
         if size < 16:
@@ -80,20 +81,21 @@ class StepBuckets:
 
     max_tokens: int  # per replica
     max_seqs: int  # per replica
+    min_rows: int = 1  # the smallest token and sequence size
 
     @property
     def token_sizes(self) -> list[int]:
-        return _series(self.max_tokens)
+        return _series(max(self.max_tokens, self.min_rows), self.min_rows)
 
     def seq_sizes(self, token_size: int) -> list[int]:
-        full = min(token_size, self.max_seqs)
+        full = max(min(token_size, self.max_seqs), self.min_rows)
         return [8, full] if full > 8 else [full]
 
     def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
             raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds the largest "
                              f"bucket ({self.max_tokens} tokens, {self.max_seqs} sequences)")
-        tokens = next(s for s in self.token_sizes if s >= max(num_tokens, 1))
+        tokens = next(s for s in self.token_sizes if s >= num_tokens)
         return tokens, next(s for s in self.seq_sizes(tokens) if s >= num_seqs)
 
     def all_shapes(self) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ def generate(mesh: dict | None, num_prompts: int = 6, max_tokens: int = 10) -> l
     """Greedy tokens of a fixed set of prompts (the same in every process)."""
     from jaxserve import Engine, EngineConfig, SamplingParams
     cfg, weights = tiny_model()
-    engine = Engine(cfg, weights, None, EngineConfig(max_slots=8, page_size=8, num_pages=64, max_model_len=64,
+    engine = Engine(cfg, weights, None, EngineConfig(max_slots=8, page_size=8, num_pages=64, max_model_len=64, dtype="float32",
                                                      mesh=mesh))
     rng = np.random.RandomState(1)
     prompts = [rng.randint(3, 250, size=n).tolist() for n in (3, 9, 17, 5, 12, 1, 30, 8)[:num_prompts]]

@@ -19,7 +19,8 @@ def prompts(n=len(PROMPT_LENGTHS), seed=0):
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    return Engine.from_pretrained(llama_dir, EngineConfig(max_slots=16, page_size=8, num_pages=128, max_model_len=128))
+    return Engine.from_pretrained(llama_dir, EngineConfig(max_slots=16, page_size=8, num_pages=128, max_model_len=128,
+                                                          dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,8 @@ def test_preemption_finishes_everything_with_same_tokens(llama_dir, engine):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = engine.generate(work, params)
     # The workload needs about 8 x 8 pages; give it a quarter of that.
-    small = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=8, page_size=8, num_pages=17, max_model_len=128))
+    small = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=8, page_size=8, num_pages=17, max_model_len=128,
+                                                            dtype="float32"))
     got = small.generate(work, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert all(o.finish_reason == "length" for o in got)
@@ -162,7 +164,7 @@ def test_missing_model_path_is_named(tmp_path):
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_pallas_backend_in_interpret_mode_gives_the_same_tokens(checkpoints, kind):
-    config = EngineConfig(max_slots=4, page_size=8, num_pages=32, max_model_len=64)
+    config = EngineConfig(max_slots=4, page_size=8, num_pages=32, max_model_len=64, dtype="float32")
     work = prompts(4, seed=3)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # gemma3's window is 8: crossed
     reference = Engine.from_pretrained(checkpoints(kind), config.replace(attention_backend="reference"))

@@ -9,7 +9,8 @@ import transformers
 
 from jaxserve import Engine, EngineConfig, SamplingParams
 
-CONFIG = EngineConfig(max_slots=8, page_size=8, num_pages=96, max_model_len=96, max_num_batched_tokens=64)
+CONFIG = EngineConfig(max_slots=8, page_size=8, num_pages=96, max_model_len=96, max_num_batched_tokens=64,
+                      dtype="float32")
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 

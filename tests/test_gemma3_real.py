@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=80))
+    return Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=80, dtype="float32"))
 
 
 def test_logits_close_to_hugging_face(engine, hf_gemma3):

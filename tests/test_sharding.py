@@ -35,7 +35,7 @@ def tiny_weights(cfg, seed=0):
 
 def engine_config(mesh=None):
     from jaxserve import EngineConfig
-    return EngineConfig(max_slots=8, page_size=8, num_pages=64, max_model_len=64, mesh=mesh)
+    return EngineConfig(max_slots=8, page_size=8, num_pages=64, max_model_len=64, mesh=mesh, dtype="float32")
 
 
 def mesh_dict(shape: str) -> dict:

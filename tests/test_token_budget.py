@@ -13,7 +13,8 @@ from jaxserve import Engine, EngineConfig, SamplingParams
 PAGE = 8
 PROMPT_LENGTHS = [1, 5, 8, 9, 16, 17, 30, 45]
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-CONFIG = EngineConfig(max_slots=8, page_size=PAGE, num_pages=96, max_model_len=96, max_num_batched_tokens=64)
+CONFIG = EngineConfig(max_slots=8, page_size=PAGE, num_pages=96, max_model_len=96, max_num_batched_tokens=64,
+                      dtype="float32")
 
 
 def prompts():

@@ -1,0 +1,127 @@
+"""Decode throughput against batch size, beside this machine's roofline.
+
+    python scripts/bench_decode.py                         # Gemma 3 270M, float32 and the default dtype
+    python scripts/bench_decode.py --batches 1,2,4,16,64 --context 256 --dtypes float32,bfloat16
+
+For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
+sequence holding `--context` tokens in the pool) and prints tokens/s, the step's FLOPs and the
+bytes it must read (weights once, plus every sequence's K/V), and the roofline bound
+min(peak FLOP/s / FLOPs, bandwidth / bytes) x B, from this machine's measured matmul peak (a 2048^3
+dot in each dtype) and copy bandwidth. Also the one-row and two-row forms of a bf16 dot, which
+decide the smallest decode bucket on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import Engine, EngineConfig
+from jaxserve.sampling import SamplingBatch
+from jaxserve.step_batch import ScheduledSeq, build_step
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak(dtype, n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of an n^3 dot in `dtype` with float32 accumulation."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
+    dot = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / timed(lambda: dot(a).block_until_ready(), reps)
+
+
+def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Bytes/s read plus written by a large elementwise copy."""
+    x = jnp.ones(mib << 18, jnp.float32)
+    copy = jax.jit(lambda v: v + 1)
+    return 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), reps)
+
+
+def one_row_forms(reps: int = 20) -> dict[str, float]:
+    """ms of a [rows, 640] x [640, 262144] output layer in the forms the model may take."""
+    w32 = jnp.asarray(np.random.default_rng(0).standard_normal((640, 262144)) * 0.02, jnp.float32)
+    w16 = w32.astype(jnp.bfloat16)
+    out = {}
+    for rows in (1, 2):
+        x = jnp.ones((rows, 640), jnp.float32)
+        f32 = jax.jit(lambda a: a @ w32)
+        bf16 = jax.jit(lambda a: jnp.dot(a.astype(jnp.bfloat16), w16, preferred_element_type=jnp.float32))
+        out[f"float32 x{rows}"] = timed(lambda: f32(x).block_until_ready(), reps) * 1e3
+        out[f"bf16 weights x{rows}"] = timed(lambda: bf16(x).block_until_ready(), reps) * 1e3
+    return out
+
+
+def decode_step_time(engine: Engine, batch: int, context: int, reps: int) -> float:
+    runner, page = engine.runner, engine.config.page_size
+    pages = -(-context // page)
+    tables = np.zeros((engine.config.max_slots, runner.pages_per_seq), np.int32)
+    tables[:batch, :pages] = 1 + np.arange(batch * pages).reshape(batch, pages)
+    slots = engine.config.max_slots
+    sampling = SamplingBatch(np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
+                             np.zeros(slots, np.float32), np.zeros(slots, np.uint32))
+    seqs = [ScheduledSeq(i, context - 1, [1000 + i]) for i in range(batch)]
+    step = build_step(seqs, tables, sampling, page, runner.buckets, runner.replicas)
+    return timed(lambda: runner.step(step), reps)
+
+
+def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of a decode step: matmuls at 2 FLOPs per weight per token, attention at 4
+    per cached key and head dim; weights read once, K/V read once per sequence."""
+    cfg, runner = engine.model_config, engine.runner
+    weights = sum(x.size for x in jax.tree.leaves(runner.state) if x.ndim == 2)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.state))
+    kv_itemsize = runner.kv_pool[0][0].dtype.itemsize
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * kv_itemsize
+    flops = 2 * weights + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return batch * flops, weight_bytes + batch * kv_bytes
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
+    p.add_argument("--dtypes", default="float32,auto")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--context", type=int, default=128, help="tokens each sequence holds")
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args(argv)
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
+    print(f"CPU: {model}; jax {jax.__version__}, backend {jax.default_backend()}")
+    peak32, peak16, bandwidth = matmul_peak(jnp.float32), matmul_peak(jnp.bfloat16), copy_bandwidth()
+    print(f"roofline: 2048^3 dot {peak32 / 1e9:.0f} GFLOP/s float32, {peak16 / 1e9:.0f} GFLOP/s bfloat16; "
+          f"copy {bandwidth / 1e9:.1f} GB/s")
+    print("output layer 640x262144, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in one_row_forms().items()))
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        engine = Engine.from_pretrained(args.model, EngineConfig(
+            dtype=dtype, max_slots=max(batches), max_num_batched_tokens=max(256, max(batches)),
+            max_model_len=max(512, args.context + 1), num_pages=1 + max(batches) * -(-args.context // 16)))
+        peak = peak32 if engine.config.weights_dtype == "float32" else peak16
+        for b in batches:
+            seconds = decode_step_time(engine, b, args.context, args.reps)
+            flops, nbytes = step_cost(engine, b, args.context)
+            bound = min(peak / flops, bandwidth / nbytes) * b
+            print(f"| {engine.config.weights_dtype} | {b} | {seconds * 1e3:.1f} | {b / seconds:.1f} | {flops / seconds / 1e9:.0f} "
+                  f"| {nbytes / seconds / 1e9:.1f} | {bound:.0f} | {b / seconds / bound:.0%} |", flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main()
