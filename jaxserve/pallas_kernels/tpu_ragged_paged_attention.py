@@ -1,0 +1,258 @@
+"""Ragged paged attention, TPU-style Pallas kernel (Mosaic): the same contract as the GPU kernel in
+`ragged_paged_attention` and the plain-jnp `ragged_reference`, for the engine's step on a TPU.
+
+How it differs from the GPU kernel. The metadata (block tables, kv_lens, query_start and each query
+block's first and last sequence) is scalar-prefetched into SMEM (`PrefetchScalarGridSpec`), where
+the kernel reads it as scalars. The K/V pool stays in HBM (`memory_space=pl.ANY`) and the kernel
+copies the pages it needs itself: a key block is B pages, each one DMA (`pltpu.make_async_copy`)
+into a [L, D] VMEM buffer, two buffers per sequence so the next key block's copy runs while the
+current one is computed. The grid is (kv head, query block); a program owns R = Q G rows (G query
+heads of its kv head x Q tokens, head-major, row g Q + t) whose online-softmax state (m, l, acc)
+lives in VMEM scratch. As on GPU, it loops over the real sequences overlapping its block and, per
+sequence, only over the key blocks its rows can see (causal upper bound, sliding-window lower
+bound); rows of other sequences are masked, which leaves their state unchanged.
+
+Mosaic layout rules kept: a page of P rows lands on a tile boundary of the key buffer (P a multiple
+of the sublane tile: 8 for float32, 16 for bfloat16), so does a query block (R a multiple of it);
+m and l are stored lane-replicated ([R, 128]), the usual form for per-row softmax state. Blocks of
+the default shape: Q = 32 tokens, L = 128 keys (B = 128 / P pages), head_dim 128 or 256.
+Simple before fast: the first key block of each sequence is not prefetched across sequences or
+programs, and a key block always copies all B pages (table entries past a sequence are the null
+page, which is finite, then masked).
+
+On CPU it runs in the TPU interpreter (`interpret=True` passes `pltpu.InterpretParams()`), which is
+slow, so tests keep shapes small. Pinned range: jax >= 0.10, < 0.12.
+
+Legend: T tokens, H query heads, N kv heads, G = H / N, D head dim, M pool pages, P page size,
+S sequences, W' pages per sequence padded to whole key blocks, B pages per key block, L = B P keys
+per block, Q tokens per query block, R = Q G rows per program, K query blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.pallas_kernels.ragged_paged_attention import (
+    NEG, block_sequences, check_tuning, from_block_rows, pad_tables, resolve_scale, to_block_rows)
+from jaxserve.pallas_kernels.ragged_reference import check_ragged_inputs
+
+LANES = 128  # lane width: m and l are stored replicated across it
+SUBLANES = 8  # a block's second-minor dim is a multiple of this
+TOKENS_PER_BLOCK = 32  # default Q
+KEYS_PER_BLOCK = 128  # default L
+
+# ----------------------------------------------------------------------------------------------
+# Kernel: one program per (kv head, query block)
+# ----------------------------------------------------------------------------------------------
+
+
+def _tpu_ragged_kernel(
+    first_ref,  # SMEM [K] int32: first real sequence overlapping each query block
+    last_ref,  # SMEM [K] int32: last one (last < first: none)
+    kv_lens_ref,  # SMEM [S] int32
+    query_start_ref,  # SMEM [S + 1] int32
+    q_ref,  # VMEM [R, D]: this block's rows of this kv head, row g Q + t
+    tables_hbm,  # HBM [S, W'] int32: block tables (too big for SMEM in a large batch)
+    k_hbm,  # HBM [N, M, P, D]
+    v_hbm,  # HBM [N, M, P, D]
+    o_ref,  # VMEM [R, D]
+    table_ref,  # SMEM [W'] int32: the block-table row of the current sequence
+    k_buf,  # VMEM [2, L, D]: double-buffered key block
+    v_buf,  # VMEM [2, L, D]
+    sems,  # DMA semaphores [3 (k, v, table), 2 (buffer)]
+    m_ref,  # VMEM [R, 128] float32: running max, lane-replicated
+    l_ref,  # VMEM [R, 128] float32: running sum
+    acc_ref,  # VMEM [R, D] float32: running numerator
+    *,
+    block_q: int,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    head, block = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    keys = k_buf.shape[1]  # L
+    page_size = keys // pages_per_block
+    width = table_ref.shape[0]  # W'
+    row0 = block * block_q  # flat token of the block's first row
+    m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
+    def copies(s, b, slot):
+        """The 2B page DMAs of key block b of sequence s into buffer `slot`."""
+        out = []
+        for j in range(pages_per_block):
+            page = table_ref[b * pages_per_block + j]
+            rows_j = pl.ds(j * page_size, page_size)
+            out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, rows_j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows_j], sems.at[1, slot]))
+        return out
+
+    def sequence(s, carry):
+        start, end = query_start_ref[s], query_start_ref[s + 1]
+        pos0 = kv_lens_ref[s] - (end - start)  # position of the sequence's row `start`
+        lo_row, hi_row = jnp.maximum(start, row0), jnp.minimum(end, row0 + block_q)
+        hi = jnp.where(hi_row > lo_row, (pos0 + hi_row - 1 - start) // keys + 1, 0)
+        hi = jnp.minimum(hi, width // pages_per_block)
+        lo = jnp.int32(0)
+        if sliding_window is not None:
+            lo = jnp.minimum(jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0) // keys, hi)
+
+        @pl.when(lo < hi)
+        def _first_copy():
+            row = pltpu.make_async_copy(tables_hbm.at[s], table_ref, sems.at[2, 0])
+            row.start()
+            row.wait()
+            for c in copies(s, lo, 0):
+                c.start()
+
+        def key_block(b, carry):
+            slot = lax.rem(b - lo, 2)
+
+            @pl.when(b + 1 < hi)
+            def _next_copy():  # overlaps the next block's DMA with this block's compute
+                for c in copies(s, b + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(s, b, slot):
+                c.wait()
+            k, v = k_buf[slot], v_buf[slot]  # [L, D]
+            scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32) * sm_scale  # [R, L]
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            token = row0 + jnp.bitwise_and(lax.broadcasted_iota(jnp.int32, scores.shape, 0),
+                                           block_q - 1)  # [R, L]: flat token of each row
+            k_pos = b * keys + lax.broadcasted_iota(jnp.int32, scores.shape, 1)  # [R, L]
+            q_pos = pos0 + token - start
+            visible = (token >= start) & (token < end) & (k_pos <= q_pos)
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            _online_softmax_update(scores, visible, v, m_ref, l_ref, acc_ref, precision)
+            return carry
+
+        return lax.fori_loop(lo, hi, key_block, carry)
+
+    lax.fori_loop(first_ref[block], last_ref[block] + 1, sequence, jnp.int32(0))
+    l = l_ref[:, :1]  # [R, 1]
+    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _online_softmax_update(s, visible, v, m_ref, l_ref, acc_ref, precision):
+    """Folds scores s [R, L] (float32) and values v [L, D] into the state refs; rows with nothing
+    visible keep their state exactly (alpha = 1, p = 0)."""
+    s = jnp.where(visible, s, NEG)
+    m_prev = m_ref[...]  # [R, 128]
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # [R, 128]
+    alpha = jnp.exp(m_prev - m_new)  # [R, 128]
+    p = jnp.where(visible, jnp.exp(s - m_new[:, :1]), 0.0)  # [R, L]
+    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+    m_ref[...] = m_new
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)  # [R, D]
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [N, M, P, D]
+    v_pages: jax.Array,  # [N, M, P, D]
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, W] int32
+    query_start: jax.Array,  # [S + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    block_q: int = TOKENS_PER_BLOCK,
+    pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:  # [T, H, D]
+    """Ragged paged attention (TPU Pallas kernel); the contract is `ragged_reference`'s.
+
+    Tuning: `block_q` tokens per program (power of two, default 32), `pages_per_block` pages per
+    key block (power of two, default so a block holds 128 keys, at least one page),
+    `vmem_limit_bytes` for Mosaic (default: the compiler's). `interpret=True` runs it in the TPU
+    interpreter on CPU. Raises ValueError on bad shapes, dtypes or options (`check_ragged_inputs`),
+    on a page size or query block (block_q x G rows) that is not a multiple of the sublane tile
+    (8 float32, 16 bfloat16), and on bad tuning values.
+    """
+    name = "ragged_paged_attention_tpu"
+    check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
+                        sliding_window, soft_cap, name=name)
+    kv_heads, _, page_size, head_dim = k_pages.shape
+    if pages_per_block is None:
+        pages_per_block = max(1, KEYS_PER_BLOCK // page_size)
+    check_tuning(name, block_q=block_q, pages_per_block=pages_per_block)
+    rows = block_q * (q.shape[1] // kv_heads)
+    if rows % SUBLANES:
+        raise ValueError(f"{name}: a query block has block_q x group = {block_q} x "
+                         f"{q.shape[1] // kv_heads} = {rows} rows, not a multiple of {SUBLANES} "
+                         f"(Mosaic's rule for the second-minor dim of a block)")
+    if vmem_limit_bytes is not None and (not isinstance(vmem_limit_bytes, int) or vmem_limit_bytes <= 0):
+        raise ValueError(f"{name}: vmem_limit_bytes must be a positive int, got {vmem_limit_bytes!r}")
+    return _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
+                    sm_scale=resolve_scale(sm_scale, head_dim), sliding_window=sliding_window,
+                    soft_cap=None if soft_cap is None else float(soft_cap), block_q=block_q,
+                    pages_per_block=pages_per_block, vmem_limit_bytes=vmem_limit_bytes,
+                    interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
+                                             "pages_per_block", "vmem_limit_bytes", "interpret"))
+def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
+             sliding_window, soft_cap, block_q, pages_per_block, vmem_limit_bytes, interpret):
+    tokens, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    group = heads // kv_heads
+    rows = block_q * group  # R
+    q_rows = to_block_rows(q, kv_heads, block_q, group)  # [N, K R, D]
+    num_blocks = q_rows.shape[1] // rows
+    first, last = block_sequences(query_start, num_seqs, num_blocks, block_q)
+    tables = pad_tables(block_tables, pages_per_block)  # [S, W']
+    keys = pages_per_block * page_size
+
+    kernel = functools.partial(_tpu_ragged_kernel, block_q=block_q, pages_per_block=pages_per_block,
+                               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    rows_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)  # left in HBM: the kernel copies what it needs
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(kv_heads, num_blocks),
+            in_specs=[rows_spec, hbm, hbm, hbm],
+            out_specs=rows_spec,
+            scratch_shapes=[
+                pltpu.SMEM((tables.shape[1],), jnp.int32),
+                pltpu.VMEM((2, keys, head_dim), k_pages.dtype),
+                pltpu.VMEM((2, keys, head_dim), v_pages.dtype),
+                pltpu.SemaphoreType.DMA((3, 2)),
+                pltpu.VMEM((rows, LANES), jnp.float32),
+                pltpu.VMEM((rows, LANES), jnp.float32),
+                pltpu.VMEM((rows, head_dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jaxserve_ragged_paged_attention_tpu",
+    )(first, last, kv_lens, query_start, q_rows, tables, k_pages, v_pages)
+    return from_block_rows(out, tokens, heads, block_q, group)
