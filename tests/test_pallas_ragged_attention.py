@@ -154,6 +154,23 @@ def test_block_sizes_do_not_change_the_answer(kernel):
     np.testing.assert_allclose(outs[0], outs[1], atol=2e-6)
 
 
+def test_tpu_dma_chain_has_no_races_on_two_cores():
+    """The TPU interpreter's race detector, with the grid's parallel dims split over two simulated
+    cores and DMAs executed eagerly: every page copy is waited before its buffer is read, and no
+    buffer is refilled while still in use (a kernel without its waits is caught here)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+    from jax.experimental.pallas import tpu as pltpu
+
+    args = bucketed(3, CASES["mixed"] + [(2, 0), (0, 3)])
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2,
+                                   dma_execution_mode="eager")
+    out = ragged_paged_attention_tpu(*args, interpret=params, block_q=8, pages_per_block=2,
+                                     sliding_window=9)
+    assert not tpu_interpreter.races.races_found
+    np.testing.assert_allclose(np.asarray(out, np.float64), oracle(*args, sliding_window=9),
+                               atol=2e-5, rtol=2e-5)
+
+
 # Orthogonal array L9(3^4): every pair of values of (page_size, head_dim, group) appears once; the
 # 4th column picks the dtype so that each value of each axis meets both dtypes.
 _L9 = [(0, 0, 0, 0), (0, 1, 1, 2), (0, 2, 2, 1), (1, 0, 1, 1), (1, 1, 2, 0), (1, 2, 0, 2),

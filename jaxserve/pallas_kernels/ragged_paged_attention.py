@@ -49,7 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxserve.pallas_kernels.ragged_reference import check_ragged_inputs
+from jaxserve.pallas_kernels.ragged_reference import (  # noqa: F401 (the reference, re-exported)
+    check_ragged_inputs, ragged_paged_attention_reference)
 
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 MIN_DOT = 16  # Triton's smallest dot operand dimension
@@ -308,3 +309,9 @@ def pad_tables(block_tables, pages_per_block: int):
     width = block_tables.shape[1]
     padded = -(-width // pages_per_block) * pages_per_block
     return jnp.pad(block_tables, ((0, 0), (0, padded - width)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-jnp reference: `ragged_reference.ragged_paged_attention_reference` (re-exported above). It
+# lives in its own module because it is also the engine's attention on CPU, which needs no Pallas.
+# ----------------------------------------------------------------------------------------------

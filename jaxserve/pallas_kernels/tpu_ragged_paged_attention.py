@@ -1,27 +1,32 @@
 """Ragged paged attention, TPU-style Pallas kernel (Mosaic): the same contract as the GPU kernel in
 `ragged_paged_attention` and the plain-jnp `ragged_reference`, for the engine's step on a TPU.
 
-How it differs from the GPU kernel. The metadata (block tables, kv_lens, query_start and each query
-block's first and last sequence) is scalar-prefetched into SMEM (`PrefetchScalarGridSpec`), where
-the kernel reads it as scalars. The K/V pool stays in HBM (`memory_space=pl.ANY`) and the kernel
-copies the pages it needs itself: a key block is B pages, each one DMA (`pltpu.make_async_copy`)
-into a [L, D] VMEM buffer, two buffers per sequence so the next key block's copy runs while the
-current one is computed. The grid is (kv head, query block); a program owns R = Q G rows (G query
-heads of its kv head x Q tokens, head-major, row g Q + t) whose online-softmax state (m, l, acc)
-lives in VMEM scratch. As on GPU, it loops over the real sequences overlapping its block and, per
-sequence, only over the key blocks its rows can see (causal upper bound, sliding-window lower
+How it differs from the GPU kernel. The small metadata (kv_lens, query_start and each query block's
+first and last sequence) is scalar-prefetched into SMEM (`PrefetchScalarGridSpec`). The K/V pool
+and the block tables stay in HBM (`memory_space=pl.ANY`: 512 sequences x 512 pages of table
+already overflow the 1 MiB of SMEM) and the kernel copies what it needs itself: the table row of
+each sequence into SMEM, and each key block, B pages, one DMA (`pltpu.make_async_copy`) per page,
+into a [L, D] VMEM buffer. The grid is (kv head, query block); a program owns R = Q G rows (the G
+query heads of its kv head x Q tokens, head-major: row g Q + t) whose online-softmax state (m, l,
+acc) lives in VMEM scratch. As on GPU, it loops over the real sequences overlapping its block and,
+per sequence, only over the key blocks its rows can see (causal upper bound, sliding-window lower
 bound); rows of other sequences are masked, which leaves their state unchanged.
 
-Mosaic layout rules kept: a page of P rows lands on a tile boundary of the key buffer (P a multiple
-of the sublane tile: 8 for float32, 16 for bfloat16), so does a query block (R a multiple of it);
-m and l are stored lane-replicated ([R, 128]), the usual form for per-row softmax state. Blocks of
-the default shape: Q = 32 tokens, L = 128 keys (B = 128 / P pages), head_dim 128 or 256.
-Simple before fast: the first key block of each sequence is not prefetched across sequences or
-programs, and a key block always copies all B pages (table entries past a sequence are the null
-page, which is finite, then masked).
+The copies form one chain per program: two key buffers, the next key block always on the way while
+the current one is computed, across sequence edges too, and each table row fetched one sequence
+ahead. So a program waits on memory once (its first block), not once per sequence, which matters
+for decode, where a block holds many short sequences. Not done (yet): prefetch across programs,
+and skipping the null-page copies of a key block's pages past the end of a sequence.
 
-On CPU it runs in the TPU interpreter (`interpret=True` passes `pltpu.InterpretParams()`), which is
-slow, so tests keep shapes small. Pinned range: jax >= 0.10, < 0.12.
+Mosaic rules kept: a block's second-minor dim is a multiple of 8, so R = Q G is (ValueError
+otherwise); m and l are stored lane-replicated ([R, 128]), the usual form for per-row softmax
+state. Default blocks: Q = 32 tokens, L = 128 keys (B = 128 / P pages). Checked on CPU by
+deviceless compiles for v5e and v6e (see the tests): head_dim 32 to 256, page size 4 to 64,
+float32 and bfloat16 all compile.
+
+On CPU it runs in the TPU interpreter (`interpret=True` passes `pltpu.InterpretParams()`; an
+`InterpretParams` is passed through, e.g. to detect races), which is slow, so tests keep shapes
+small. Pinned range: jax >= 0.10, < 0.12.
 
 Legend: T tokens, H query heads, N kv heads, G = H / N, D head dim, M pool pages, P page size,
 S sequences, W' pages per sequence padded to whole key blocks, B pages per key block, L = B P keys
@@ -62,10 +67,10 @@ def _tpu_ragged_kernel(
     k_hbm,  # HBM [N, M, P, D]
     v_hbm,  # HBM [N, M, P, D]
     o_ref,  # VMEM [R, D]
-    table_ref,  # SMEM [W'] int32: the block-table row of the current sequence
+    table_rows,  # SMEM [2, W'] int32: block-table rows of sequences s (slot s % 2) and s + 1
     k_buf,  # VMEM [2, L, D]: double-buffered key block
     v_buf,  # VMEM [2, L, D]
-    sems,  # DMA semaphores [3 (k, v, table), 2 (buffer)]
+    sems,  # DMA semaphores [3 (k, v, table row), 2 (slot)]
     m_ref,  # VMEM [R, 128] float32: running max, lane-replicated
     l_ref,  # VMEM [R, 128] float32: running sum
     acc_ref,  # VMEM [R, D] float32: running numerator
@@ -77,27 +82,18 @@ def _tpu_ragged_kernel(
     soft_cap: float | None,
 ):
     head, block = pl.program_id(0), pl.program_id(1)
-    rows, head_dim = q_ref.shape
     keys = k_buf.shape[1]  # L
     page_size = keys // pages_per_block
-    width = table_ref.shape[0]  # W'
+    width = table_rows.shape[1]  # W'
     row0 = block * block_q  # flat token of the block's first row
+    first, last = first_ref[block], last_ref[block]
     m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
-    def copies(s, b, slot):
-        """The 2B page DMAs of key block b of sequence s into buffer `slot`."""
-        out = []
-        for j in range(pages_per_block):
-            page = table_ref[b * pages_per_block + j]
-            rows_j = pl.ds(j * page_size, page_size)
-            out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, rows_j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows_j], sems.at[1, slot]))
-        return out
-
-    def sequence(s, carry):
+    def key_range(s):
+        """(lo, hi): the key blocks the rows of sequence s in this query block can see."""
         start, end = query_start_ref[s], query_start_ref[s + 1]
         pos0 = kv_lens_ref[s] - (end - start)  # position of the sequence's row `start`
         lo_row, hi_row = jnp.maximum(start, row0), jnp.minimum(end, row0 + block_q)
@@ -106,43 +102,89 @@ def _tpu_ragged_kernel(
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.minimum(jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0) // keys, hi)
+        return lo, hi
 
-        @pl.when(lo < hi)
-        def _first_copy():
-            row = pltpu.make_async_copy(tables_hbm.at[s], table_ref, sems.at[2, 0])
-            row.start()
-            row.wait()
-            for c in copies(s, lo, 0):
-                c.start()
+    def table_row(s):
+        return pltpu.make_async_copy(tables_hbm.at[s], table_rows.at[s % 2], sems.at[2, s % 2])
 
-        def key_block(b, carry):
-            slot = lax.rem(b - lo, 2)
+    def kv_copies(s, b, slot):
+        """The 2B page DMAs of key block b of sequence s into buffer `slot`."""
+        out = []
+        for j in range(pages_per_block):
+            page = table_rows[s % 2, b * pages_per_block + j]
+            rows_j = pl.ds(j * page_size, page_size)
+            out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, rows_j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows_j], sems.at[1, slot]))
+        return out
 
-            @pl.when(b + 1 < hi)
-            def _next_copy():  # overlaps the next block's DMA with this block's compute
-                for c in copies(s, b + 1, 1 - slot):
+    # The DMA chain. Each table row is started one sequence ahead and waited once; each key block
+    # is started one block ahead, across sequence edges too: a sequence whose predecessor had key
+    # blocks ("chained") finds its first block already on the way. Slots alternate per key block.
+    @pl.when(first <= last)
+    def _prologue():
+        table_row(first).start()
+
+    def sequence(s, step):  # step: key blocks done so far in this program (slot = step % 2)
+        lo, hi = key_range(s)
+        prev_lo, prev_hi = key_range(jnp.maximum(s - 1, first))
+        chained = (s > first) & (prev_lo < prev_hi) & (lo < hi)
+
+        @pl.when(jnp.logical_not(chained))
+        def _own_start():
+            table_row(s).wait()
+
+            @pl.when(lo < hi)
+            def _():
+                for c in kv_copies(s, lo, lax.rem(step, 2)):
                     c.start()
 
-            for c in copies(s, b, slot):
+        @pl.when(s < last)
+        def _next_row():
+            table_row(s + 1).start()
+
+        following = jnp.minimum(s + 1, last)
+        next_lo, next_hi = key_range(following)
+        chain_next = (s < last) & (next_lo < next_hi)
+
+        def key_block(b, step):
+            slot = lax.rem(step, 2)
+
+            @pl.when(b + 1 < hi)
+            def _next_block():
+                for c in kv_copies(s, b + 1, 1 - slot):
+                    c.start()
+
+            @pl.when((b + 1 == hi) & chain_next)
+            def _next_sequence():
+                table_row(following).wait()
+                for c in kv_copies(following, next_lo, 1 - slot):
+                    c.start()
+
+            for c in kv_copies(s, b, slot):
                 c.wait()
-            k, v = k_buf[slot], v_buf[slot]  # [L, D]
-            scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32) * sm_scale  # [R, L]
-            if soft_cap is not None:
-                scores = soft_cap * jnp.tanh(scores / soft_cap)
-            token = row0 + jnp.bitwise_and(lax.broadcasted_iota(jnp.int32, scores.shape, 0),
-                                           block_q - 1)  # [R, L]: flat token of each row
-            k_pos = b * keys + lax.broadcasted_iota(jnp.int32, scores.shape, 1)  # [R, L]
-            q_pos = pos0 + token - start
-            visible = (token >= start) & (token < end) & (k_pos <= q_pos)
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
-            _online_softmax_update(scores, visible, v, m_ref, l_ref, acc_ref, precision)
-            return carry
+            _attend(s, b, slot)
+            return step + 1
 
-        return lax.fori_loop(lo, hi, key_block, carry)
+        return lax.fori_loop(lo, hi, key_block, step)
 
-    lax.fori_loop(first_ref[block], last_ref[block] + 1, sequence, jnp.int32(0))
+    def _attend(s, b, slot):
+        start, end = query_start_ref[s], query_start_ref[s + 1]
+        pos0 = kv_lens_ref[s] - (end - start)
+        k, v = k_buf[slot], v_buf[slot]  # [L, D]
+        scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32) * sm_scale  # [R, L]
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        token = row0 + jnp.bitwise_and(lax.broadcasted_iota(jnp.int32, scores.shape, 0),
+                                       block_q - 1)  # [R, L]: flat token of each row
+        k_pos = b * keys + lax.broadcasted_iota(jnp.int32, scores.shape, 1)  # [R, L]
+        q_pos = pos0 + token - start
+        visible = (token >= start) & (token < end) & (k_pos <= q_pos)
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        _online_softmax_update(scores, visible, v, m_ref, l_ref, acc_ref, precision)
+
+    lax.fori_loop(first, last + 1, sequence, jnp.int32(0))
     l = l_ref[:, :1]  # [R, 1]
     o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
@@ -179,19 +221,19 @@ def ragged_paged_attention_tpu(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
     block_q: int = TOKENS_PER_BLOCK,
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention (TPU Pallas kernel); the contract is `ragged_reference`'s.
 
-    Tuning: `block_q` tokens per program (power of two, default 32), `pages_per_block` pages per
-    key block (power of two, default so a block holds 128 keys, at least one page),
-    `vmem_limit_bytes` for Mosaic (default: the compiler's). `interpret=True` runs it in the TPU
-    interpreter on CPU. Raises ValueError on bad shapes, dtypes or options (`check_ragged_inputs`),
-    on a page size or query block (block_q x G rows) that is not a multiple of the sublane tile
-    (8 float32, 16 bfloat16), and on bad tuning values.
+    Tuning: `block_q` tokens per program (power of two, default 32; smaller suits decode-heavy
+    steps, larger long prompts), `pages_per_block` pages per key block (power of two, default so a
+    block holds 128 keys, at least one page), `vmem_limit_bytes` for Mosaic (default: the
+    compiler's). `interpret=True` (or a `pltpu.InterpretParams`) runs it in the TPU interpreter.
+    Raises ValueError on bad shapes, dtypes or options (`check_ragged_inputs`), on a query block
+    of block_q x G rows that is not a multiple of 8, and on bad tuning values.
     """
     name = "ragged_paged_attention_tpu"
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
@@ -240,7 +282,7 @@ def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, 
             in_specs=[rows_spec, hbm, hbm, hbm],
             out_specs=rows_spec,
             scratch_shapes=[
-                pltpu.SMEM((tables.shape[1],), jnp.int32),
+                pltpu.SMEM((2, tables.shape[1]), jnp.int32),
                 pltpu.VMEM((2, keys, head_dim), k_pages.dtype),
                 pltpu.VMEM((2, keys, head_dim), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((3, 2)),
@@ -252,7 +294,8 @@ def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, 
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=(interpret if isinstance(interpret, pltpu.InterpretParams)
+                   else pltpu.InterpretParams() if interpret else False),
         name="jaxserve_ragged_paged_attention_tpu",
     )(first, last, kv_lens, query_start, q_rows, tables, k_pages, v_pages)
     return from_block_rows(out, tokens, heads, block_q, group)
