@@ -15,14 +15,16 @@ bound); rows of other sequences are masked, which leaves their state unchanged.
 The copies form one chain per program: two key buffers, the next key block always on the way while
 the current one is computed, across sequence edges too, and each table row fetched one sequence
 ahead. So a program waits on memory once (its first block), not once per sequence, which matters
-for decode, where a block holds many short sequences. Not done (yet): prefetch across programs,
-and skipping the null-page copies of a key block's pages past the end of a sequence.
+for decode, where a block holds many short sequences. A key block copies only the pages holding
+keys that some row can see: no null pages past the end of a sequence (the table pads with them)
+and none before the window; the value rows of pages not copied are zeroed, since stale VMEM may
+hold NaN and 0 x NaN is NaN. Not done (yet): prefetch across programs.
 
 Mosaic rules kept: a block's second-minor dim is a multiple of 8, so R = Q G is (ValueError
 otherwise); m and l are stored lane-replicated ([R, 128]), the usual form for per-row softmax
 state. Default blocks: Q = 32 tokens, L = 128 keys (B = 128 / P pages). Checked on CPU by
-deviceless compiles for v5e and v6e (see the tests): head_dim 32 to 256, page size 4 to 64,
-float32 and bfloat16 all compile.
+deviceless compiles (see the tests): on v5e and v6e, head_dim 32 to 256, page size 4 to 64, G 1
+to 8, float32 and bfloat16 all compile; v4 and v5p (megacore) compile too.
 
 On CPU it runs in the TPU interpreter (`interpret=True` passes `pltpu.InterpretParams()`; an
 `InterpretParams` is passed through, e.g. to detect races), which is slow, so tests keep shapes
@@ -93,29 +95,37 @@ def _tpu_ragged_kernel(
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     def key_range(s):
-        """(lo, hi): the key blocks the rows of sequence s in this query block can see."""
+        """(lo, hi, page_lo, page_hi): the key blocks and the pages (indices into the sequence's
+        table row) holding keys that the rows of sequence s in this query block can see."""
         start, end = query_start_ref[s], query_start_ref[s + 1]
         pos0 = kv_lens_ref[s] - (end - start)  # position of the sequence's row `start`
         lo_row, hi_row = jnp.maximum(start, row0), jnp.minimum(end, row0 + block_q)
-        hi = jnp.where(hi_row > lo_row, (pos0 + hi_row - 1 - start) // keys + 1, 0)
-        hi = jnp.minimum(hi, width // pages_per_block)
-        lo = jnp.int32(0)
+        key_end = jnp.where(hi_row > lo_row, pos0 + hi_row - start, 0)  # last visible key + 1
+        key_start = jnp.int32(0)
         if sliding_window is not None:
-            lo = jnp.minimum(jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0) // keys, hi)
-        return lo, hi
+            key_start = jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0)
+        hi = jnp.minimum((key_end + keys - 1) // keys, width // pages_per_block)
+        lo = jnp.minimum(key_start // keys, hi)
+        return lo, hi, key_start // page_size, (key_end + page_size - 1) // page_size
 
     def table_row(s):
         return pltpu.make_async_copy(tables_hbm.at[s], table_rows.at[s % 2], sems.at[2, s % 2])
 
-    def kv_copies(s, b, slot):
-        """The 2B page DMAs of key block b of sequence s into buffer `slot`."""
-        out = []
+    def kv_copies(s, b, slot, pages, action):
+        """Starts or waits (`action`) the page DMAs of key block b of sequence s into buffer
+        `slot`: only pages in [page_lo, page_hi) (`pages`); the others would be null pages or
+        keys out of the window, read for nothing, and `_attend` zeroes what is left of them."""
+        page_lo, page_hi = pages
         for j in range(pages_per_block):
-            page = table_rows[s % 2, b * pages_per_block + j]
-            rows_j = pl.ds(j * page_size, page_size)
-            out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, rows_j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, rows_j], sems.at[1, slot]))
-        return out
+            index = b * pages_per_block + j
+
+            @pl.when((index >= page_lo) & (index < page_hi))
+            def _():
+                page = table_rows[s % 2, index]
+                rows_j = pl.ds(j * page_size, page_size)
+                for src, buf, kind in ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1)):
+                    copy = pltpu.make_async_copy(src.at[head, page], buf.at[slot, rows_j], sems.at[kind, slot])
+                    copy.start() if action == "start" else copy.wait()
 
     # The DMA chain. Each table row is started one sequence ahead and waited once; each key block
     # is started one block ahead, across sequence edges too: a sequence whose predecessor had key
@@ -125,8 +135,8 @@ def _tpu_ragged_kernel(
         table_row(first).start()
 
     def sequence(s, step):  # step: key blocks done so far in this program (slot = step % 2)
-        lo, hi = key_range(s)
-        prev_lo, prev_hi = key_range(jnp.maximum(s - 1, first))
+        lo, hi, *pages = key_range(s)
+        prev_lo, prev_hi, *_ = key_range(jnp.maximum(s - 1, first))
         chained = (s > first) & (prev_lo < prev_hi) & (lo < hi)
 
         @pl.when(jnp.logical_not(chained))
@@ -135,15 +145,14 @@ def _tpu_ragged_kernel(
 
             @pl.when(lo < hi)
             def _():
-                for c in kv_copies(s, lo, lax.rem(step, 2)):
-                    c.start()
+                kv_copies(s, lo, lax.rem(step, 2), pages, "start")
 
         @pl.when(s < last)
         def _next_row():
             table_row(s + 1).start()
 
         following = jnp.minimum(s + 1, last)
-        next_lo, next_hi = key_range(following)
+        next_lo, next_hi, *next_pages = key_range(following)
         chain_next = (s < last) & (next_lo < next_hi)
 
         def key_block(b, step):
@@ -151,26 +160,28 @@ def _tpu_ragged_kernel(
 
             @pl.when(b + 1 < hi)
             def _next_block():
-                for c in kv_copies(s, b + 1, 1 - slot):
-                    c.start()
+                kv_copies(s, b + 1, 1 - slot, pages, "start")
 
             @pl.when((b + 1 == hi) & chain_next)
             def _next_sequence():
                 table_row(following).wait()
-                for c in kv_copies(following, next_lo, 1 - slot):
-                    c.start()
+                kv_copies(following, next_lo, 1 - slot, next_pages, "start")
 
-            for c in kv_copies(s, b, slot):
-                c.wait()
-            _attend(s, b, slot)
+            kv_copies(s, b, slot, pages, "wait")
+            _attend(s, b, slot, pages)
             return step + 1
 
         return lax.fori_loop(lo, hi, key_block, step)
 
-    def _attend(s, b, slot):
+    def _attend(s, b, slot, pages):
         start, end = query_start_ref[s], query_start_ref[s + 1]
         pos0 = kv_lens_ref[s] - (end - start)
         k, v = k_buf[slot], v_buf[slot]  # [L, D]
+        # Keys of pages not copied hold stale bits (maybe NaN): their scores are masked below,
+        # but 0 x NaN in P.V is not 0, so those value rows are zeroed.
+        key = b * keys + lax.broadcasted_iota(jnp.int32, v.shape, 0)  # [L, D]
+        copied = (key >= pages[0] * page_size) & (key < pages[1] * page_size)
+        v = jnp.where(copied, v.astype(jnp.float32), 0.0).astype(v.dtype)
         scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32) * sm_scale  # [R, L]
         if soft_cap is not None:
