@@ -98,6 +98,20 @@ def test_named_batches(kernel, dtype):
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+                         ids=["q-f32-kv-bf16", "q-bf16-kv-f32"])
+def test_query_and_pool_dtypes_differ(kernel, q_dtype, kv_dtype):
+    """The engine's default is float32 activations over a bfloat16 pool: the kernels take q in
+    the pool's dtype for their dots and answer in q's dtype."""
+    q, k, v, *meta = bucketed(17, CASES["mixed"] + CASES["decode"][:2])
+    args = (q.astype(q_dtype), k.astype(kv_dtype), v.astype(kv_dtype), *meta)
+    out = KERNELS[kernel](*args, interpret=True, sliding_window=7, **small(kernel, args))
+    assert out.dtype == q_dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), oracle(*args, sliding_window=7),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("window", [1, 5, 13])
 def test_sliding_window_crossing_chunk_and_page_edges(kernel, window):
     # Chunks start at 6 and 16, windows reach back across the chunk edge and page edges.
@@ -264,16 +278,21 @@ def test_kernel_specific_shape_rules_raise_value_error():
 # Lowering for the real targets (no accelerator needed): realistic shapes, both dtypes.
 # ----------------------------------------------------------------------------------------------
 
-LOWERING = [(dtype, head_dim, heads) for dtype in (jnp.bfloat16, jnp.float32) for head_dim in (128, 256)
+# (q dtype, pool dtype): both bfloat16, both float32, and the engine's default, float32
+# activations over a bfloat16 pool.
+_DTYPES = ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16))
+LOWERING = [(dtypes, head_dim, heads) for dtypes in _DTYPES for head_dim in (128, 256)
             for heads in ((8, 1), (12, 4))]
+LOWERING_IDS = [f"q{jnp.dtype(a).name}-kv{jnp.dtype(b).name}-D{h}-H{q}/{k}"
+                for (a, b), h, (q, k) in LOWERING]
 
 
-def _abstract(dtype, head_dim, heads, tokens=512, seqs=64, width=128, pages=2048, page_size=16,
+def _abstract(dtypes, head_dim, heads, tokens=512, seqs=64, width=128, pages=2048, page_size=16,
               sharding=None):
     f = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=sharding)  # noqa: E731
-    q_heads, kv_heads = heads
+    (q_dtype, kv_dtype), (q_heads, kv_heads) = dtypes, heads
     pool = (kv_heads, pages, page_size, head_dim)
-    return (f((tokens, q_heads, head_dim), dtype), f(pool, dtype), f(pool, dtype),
+    return (f((tokens, q_heads, head_dim), q_dtype), f(pool, kv_dtype), f(pool, kv_dtype),
             f((seqs,), jnp.int32), f((seqs, width), jnp.int32), f((seqs + 1,), jnp.int32),
             f((1,), jnp.int32))
 
@@ -298,14 +317,13 @@ def pin_gpu():
         gpu_info.registry[kind] = saved
 
 
-@pytest.mark.parametrize("dtype,head_dim,heads", LOWERING,
-                         ids=[f"{jnp.dtype(d).name}-D{h}-H{q}/{k}" for d, h, (q, k) in LOWERING])
-def test_gpu_kernel_exports_for_cuda_as_a_triton_call(pin_gpu, dtype, head_dim, heads):
+@pytest.mark.parametrize("dtypes,head_dim,heads", LOWERING, ids=LOWERING_IDS)
+def test_gpu_kernel_exports_for_cuda_as_a_triton_call(pin_gpu, dtypes, head_dim, heads):
     fn = functools.partial(ragged_paged_attention, sliding_window=512, soft_cap=30.0)
     exported = export.export(
         jax.jit(fn), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*_abstract(dtype, head_dim, heads))
+    )(*_abstract(dtypes, head_dim, heads))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
 
@@ -332,12 +350,11 @@ def pin_tpu_chip():
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
-@pytest.mark.parametrize("dtype,head_dim,heads", LOWERING,
-                         ids=[f"{jnp.dtype(d).name}-D{h}-H{q}/{k}" for d, h, (q, k) in LOWERING])
-def test_tpu_kernel_exports_for_tpu_as_a_mosaic_call(pin_tpu_chip, chip, dtype, head_dim, heads):
+@pytest.mark.parametrize("dtypes,head_dim,heads", LOWERING, ids=LOWERING_IDS)
+def test_tpu_kernel_exports_for_tpu_as_a_mosaic_call(pin_tpu_chip, chip, dtypes, head_dim, heads):
     pin_tpu_chip(chip)
     fn = functools.partial(ragged_paged_attention_tpu, sliding_window=512, soft_cap=30.0)
-    exported = export.export(jax.jit(fn), platforms=["tpu"])(*_abstract(dtype, head_dim, heads))
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*_abstract(dtypes, head_dim, heads))
     assert "tpu_custom_call" in exported.mlir_module()
 
 
@@ -355,10 +372,10 @@ def test_tpu_kernel_compiles_with_mosaic_without_a_tpu(pin_tpu_chip, chip):
     topology = topologies.get_topology_desc(topology_name=f"{chip}:1x1", platform="tpu",
                                             chips_per_host_bounds=(1, 1, 1))
     sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
-    for dtype, head_dim, heads in LOWERING:
+    for dtypes, head_dim, heads in LOWERING:
         for options in (dict(), dict(sliding_window=512, soft_cap=30.0)):
             fn = functools.partial(ragged_paged_attention_tpu, **options)
             # 512 sequences x 512 pages of block table: more than SMEM holds.
-            jax.jit(fn).lower(*_abstract(dtype, head_dim, heads, tokens=2048, seqs=512, width=512,
+            jax.jit(fn).lower(*_abstract(dtypes, head_dim, heads, tokens=2048, seqs=512, width=512,
                                          sharding=sharding)).compile()
 

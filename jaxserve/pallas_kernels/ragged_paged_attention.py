@@ -221,7 +221,9 @@ def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seq
     kv_heads, num_pages, page_size, _ = k_pages.shape
     group_p = next_pow2(heads // kv_heads)
     rows = block_q * group_p  # R
-    q_rows = to_block_rows(q, kv_heads, block_q, group_p)  # [N, K R, D]
+    # Dots in the pool's dtype (float32 activations over a bfloat16 pool: q is rounded once
+    # here); the output keeps q's dtype.
+    q_rows = to_block_rows(q.astype(k_pages.dtype), kv_heads, block_q, group_p)  # [N, K R, D]
     num_blocks = q_rows.shape[1] // rows  # K
     first, last = block_sequences(query_start, num_seqs, num_blocks, block_q)  # [K], [K]
     tables = pad_tables(block_tables, pages_per_block)  # [S, W']

@@ -275,7 +275,9 @@ def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, 
     kv_heads, _, page_size, _ = k_pages.shape
     group = heads // kv_heads
     rows = block_q * group  # R
-    q_rows = to_block_rows(q, kv_heads, block_q, group)  # [N, K R, D]
+    # Dots in the pool's dtype (float32 activations over a bfloat16 pool: q is rounded once
+    # here); the output keeps q's dtype.
+    q_rows = to_block_rows(q.astype(k_pages.dtype), kv_heads, block_q, group)  # [N, K R, D]
     num_blocks = q_rows.shape[1] // rows
     first, last = block_sequences(query_start, num_seqs, num_blocks, block_q)
     tables = pad_tables(block_tables, pages_per_block)  # [S, W']
