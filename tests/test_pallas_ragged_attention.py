@@ -2,10 +2,13 @@
 reference and the float64 oracle, in interpret mode on CPU; plus lowering for their real targets.
 
 Every case runs on both kernels: decode only, prefill only, mixed batches, chunks on and off page
-edges, sliding windows that cross a chunk edge, soft cap, GQA ratios (1, 3, 4, 8), float32 and
-bfloat16, padding sequences of length 0 and padding tokens, a real sequence with no rows this
-step, and a pairwise sweep of page size x head_dim x GQA. Block sizes are set small in most cases
-so query blocks span several sequences and sequences span several blocks.
+edges, sliding windows that cross a chunk edge, soft cap, GQA ratios (1, 3, 4, 6, 8), float32,
+bfloat16 and float32 queries over a bfloat16 pool, padding sequences of length 0 and padding
+tokens, a real sequence with no rows this step, and a pairwise sweep of page size x head_dim x
+GQA. Block sizes are set small in most cases so query blocks span several sequences and sequences
+span several blocks. The TPU interpreter fills fresh VMEM with NaN, so a stale buffer read shows.
+Lowering: `jax.export` for CUDA (a Triton call) and for TPU v5e and v6e (a Mosaic call, the chip
+pinned); with libtpu installed, a deviceless compile runs Mosaic itself.
 Tolerances: float32 2e-5; bfloat16 2e-2 (bf16 probabilities into the P.V dot, bf16 output).
 The TPU interpreter is slow (seconds per call), so its shapes stay small.
 """
