@@ -180,8 +180,10 @@ def ragged_paged_attention(
     `ROWS_PER_BLOCK` = 32 rows of tokens x padded heads, and at least 16), `pages_per_block` pages
     per key block (power of two; default so a block holds `KEYS_PER_BLOCK` = 64 keys, at least one
     page), Triton's `num_warps` and `num_stages`. `interpret=True` runs it on CPU.
+    q may be float32 over a bfloat16 pool: the dots run in the pool's dtype, the output is in q's.
     Raises ValueError on bad shapes, dtypes or options (`check_ragged_inputs`), on a page size or
-    head dim that is not a power of two >= 16 / >= 16, and on bad tuning values.
+    head dim that is not a power of two (head dim >= 16), on fewer than 16 rows or keys per
+    block, and on bad tuning values.
     """
     name = "ragged_paged_attention"
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
