@@ -52,3 +52,31 @@ def test_greedy_generation_matches_hugging_face_up_to_first_near_tie(engine, hf_
             assert out.token_ids[step] == ref_tokens[step], f"{prompt!r}: token {step} differs"
             compared += 1
     assert compared >= 4 * 16, f"only {compared} tokens compared before near ties"
+
+
+def test_default_dtype_tracks_float32_up_to_the_first_near_tie(engine):
+    """bfloat16 weights (the default) against the float32 engine: the same greedy tokens up to the
+    first position where float32's top-2 log-probability margin is under 0.1."""
+    default = Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=80))
+    assert default.config.weights_dtype == "bfloat16"
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
+    reference = engine.generate(PROMPTS, params)
+    got = default.generate(PROMPTS, params)
+    compared = 0
+    for prompt, ref, out in zip(PROMPTS, reference, got):
+        for step, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
+            if lp["top"][0][1] - lp["top"][1][1] < 0.1:
+                break
+            assert out.token_ids[step] == token, f"{prompt!r}: token {step} differs before any near tie"
+            compared += 1
+    assert compared >= 5 * 8, f"only {compared} tokens compared before near ties"
+
+
+def test_default_dtype_logits_stay_close_to_float32():
+    cfg, weights = load_model(None)[:2]
+    tokens = np.arange(1000, 1040, dtype=np.int32)
+    f32 = paged_logits(Transformer(cfg, weights), tokens, prompt_len=32)
+    bf16 = paged_logits(Transformer(cfg, weights, dtype="bfloat16"), tokens, prompt_len=32)
+    err = np.abs(bf16 - f32).max()
+    print(f"largest logit difference, bfloat16 weights vs float32: {err:.3f} (logits up to {np.abs(f32).max():.1f})")
+    assert err < 0.1 * np.abs(f32).max()
