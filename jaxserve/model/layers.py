@@ -24,6 +24,13 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
+def dense_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w.T in float32, contracting w's last axis in place: a transposed bfloat16 operand makes
+    XLA:CPU convert and copy the whole matrix (10x slower for a tied 262k-row embedding)."""
+    return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
 class RMSNorm(nnx.Module):
     """x / rms(x) * w, computed in float32 (w already holds Gemma's `1 +`)."""
 

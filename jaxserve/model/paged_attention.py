@@ -15,6 +15,7 @@ import dataclasses
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -42,10 +43,16 @@ class Attend(Protocol):
 
 def write_kv(kv, key, value, slot_mapping):
     """Scatters the step's K/V into the pool. key, value: [T, N, K]; slot_mapping: [T]."""
-    k_pool, v_pool = kv
-    n, m, s, k = k_pool.shape
-    k_new = key.swapaxes(0, 1).astype(k_pool.dtype)  # [N, T, K]
-    v_new = value.swapaxes(0, 1).astype(v_pool.dtype)
-    k_pool = k_pool.reshape(n, m * s, k).at[:, slot_mapping].set(k_new).reshape(n, m, s, k)
-    v_pool = v_pool.reshape(n, m * s, k).at[:, slot_mapping].set(v_new).reshape(n, m, s, k)
-    return k_pool, v_pool
+    return _scatter(kv[0], key, slot_mapping), _scatter(kv[1], value, slot_mapping)
+
+
+def _scatter(pool, new, slot_mapping):
+    """pool [N, M, S, K] with new [T, N, K] written at slots [T]. A 16-bit pool is scattered as
+    integers: XLA:CPU scatters bfloat16 by converting the whole pool to float32 and back."""
+    n, m, s, k = pool.shape
+    new = new.swapaxes(0, 1).astype(pool.dtype)  # [N, T, K]
+    if pool.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(pool, jnp.uint16).reshape(n, m * s, k)
+        bits = bits.at[:, slot_mapping].set(jax.lax.bitcast_convert_type(new, jnp.uint16))
+        return jax.lax.bitcast_convert_type(bits.reshape(n, m, s, k), pool.dtype)
+    return pool.reshape(n, m * s, k).at[:, slot_mapping].set(new).reshape(n, m, s, k)

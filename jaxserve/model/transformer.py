@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import MLP, Attention, RMSNorm, dense
+from jaxserve.model.layers import MLP, Attention, RMSNorm, dense, dense_transposed
 from jaxserve.model.paged_attention import Attend, StepMetadata
 from jaxserve.model.weights import check_weights
 
@@ -72,8 +72,7 @@ class Transformer(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]  # [R, D]: only the rows that sample pay for the output layer
         x = self.final_norm(x)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = dense(x, head)
+        logits = dense_transposed(x, self.embed[...]) if self.lm_head is None else dense(x, self.lm_head[...])
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

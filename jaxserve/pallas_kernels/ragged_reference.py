@@ -103,9 +103,20 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     return out[:tokens].astype(q.dtype)
 
 
+def _gather(k_pages, v_pages, pages):
+    """This block's pages, and only them, in float32. The barrier keeps XLA from hoisting the
+    conversion of a bfloat16 pool out of the loop, which would convert the whole pool per layer."""
+    k, v = lax.optimization_barrier((k_pages[:, pages], v_pages[:, pages]))
+    return k.astype(jnp.float32), v.astype(jnp.float32)
+
+
+def _dot(a, b, spec):
+    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST)
+
+
 def _scores(q, k, scale, soft_cap):
     """q [..., R, D] . k [..., L, D] in float32 -> [..., R, L], scaled and soft-capped."""
-    s = jnp.einsum("...rd,...ld->...rl", q, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
+    s = _dot(q, k, "...rd,...ld->...rl") * scale
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
@@ -117,7 +128,7 @@ def _online_softmax(carry, s, visible, v):
     m_new = jnp.maximum(m, s.max(-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-    pv = jnp.einsum("...rl,...ld->...rd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    pv = _dot(p, v, "...rl,...ld->...rd")
     return acc * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)
 
 
@@ -137,8 +148,9 @@ def _decode_rows(q, k_pages, v_pages, lengths, tables, *, scale, window, soft_ca
 
     def block(i, carry):
         pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)  # [S, B]
-        k = k_pages[:, pages].reshape(kv_heads, seqs, keys, head_dim)  # [N, S, L, D]
-        v = v_pages[:, pages].reshape(kv_heads, seqs, keys, head_dim)
+        k, v = _gather(k_pages, v_pages, pages)
+        k = k.reshape(kv_heads, seqs, keys, head_dim)  # [N, S, L, D]
+        v = v.reshape(kv_heads, seqs, keys, head_dim)
         pos = i * keys + jnp.arange(keys)  # [L]
         visible = pos[None, :] < lengths[:, None]  # [S, L]
         if window is not None:
@@ -178,8 +190,9 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk
 
             def block(kb, carry):
                 pages = lax.dynamic_slice_in_dim(table, kb * pages_per_block, pages_per_block)  # [B]
-                k = k_pages[:, pages].reshape(kv_heads, 1, keys, head_dim)  # [N, 1, L, D]
-                v = v_pages[:, pages].reshape(kv_heads, 1, keys, head_dim)
+                k, v = _gather(k_pages, v_pages, pages)
+                k = k.reshape(kv_heads, 1, keys, head_dim)  # [N, 1, L, D]
+                v = v.reshape(kv_heads, 1, keys, head_dim)
                 k_pos = kb * keys + jnp.arange(keys)
                 visible = (k_pos[None, :] <= q_pos[:, None]) & valid[:, None]  # [Q, L]
                 if window is not None:
