@@ -217,14 +217,14 @@ class Job:
 
     async def _events(self, include_usage: bool, continuous: bool):
         try:
-            first = []
+            first, usage = [], self._usage() if continuous else None
             for i, echo in enumerate(self.echo):
                 if self.payload.chat:
                     first.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}], None, include_usage))
+                                               "logprobs": None, "finish_reason": None}], usage, include_usage))
                 elif echo:
                     first.append(self._chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}],
-                                             None, include_usage))
+                                             usage, include_usage))
             if first:
                 yield "".join(first)
             while self._unfinished():

@@ -52,6 +52,7 @@ class EngineInfo:
     tokenizer: Any  # jaxserve.tokenizer.Tokenizer (pickles as its JSON) or None
     chat_template_source: str | None  # "model", "builtin:gemma3" or None (no template)
     config: Any  # EngineConfig
+    vocab_size: int | None = None  # of the model: token ids must be below it
 
 
 def engine_info(engine) -> EngineInfo:
@@ -64,8 +65,9 @@ def engine_info(engine) -> EngineInfo:
         except ImportError:  # a stand-in engine without the model package
             GEMMA3_CHAT_TEMPLATE = None
         source = "builtin:gemma3" if template == GEMMA3_CHAT_TEMPLATE else "model"
+    vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
     return EngineInfo(getattr(engine, "model_name", "model"), engine.max_model_len, tokenizer, source,
-                      getattr(engine, "config", None))
+                      getattr(engine, "config", None), vocab)
 
 
 def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: str, log_level: int,

@@ -12,7 +12,6 @@ tokens and `max_tokens` against the context, which the descriptions say.
 
 from __future__ import annotations
 
-import copy
 from typing import Literal
 
 from fastapi.openapi.utils import get_openapi
@@ -57,8 +56,8 @@ class CompletionChoice(BaseModel):
 
 
 class Completion(BaseModel):
-    """A completion; streamed as `text_completion` chunks of the same shape (`usage` null or, with
-    `stream_options`, present), ending with `data: [DONE]`."""
+    """A completion; streamed as `text_completion` chunks of the same shape (`finish_reason` null
+    until the last, `usage` null or absent but with `stream_options`), then `data: [DONE]`."""
 
     id: str
     object: Literal["text_completion"]
@@ -105,6 +104,29 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Finish
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -122,8 +144,14 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: `data: {chunk}` "
-                                                                          "lines, then `data: [DONE]`"}}}
+def _sse(chunk: str) -> dict:
+    """Server-sent events (Open API 3.1: the schema is one event's): each `data` is a JSON chunk
+    (or an error envelope), the last one `[DONE]`."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json", "contentSchema": payload}}
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+        "data": data, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 _ERRORS = {
     400: "malformed JSON, an unknown field, a wrong type or value, or a prompt plus max_tokens past the context",
     401: "a missing or wrong `Authorization: Bearer` key",
@@ -145,9 +173,10 @@ def errors(*statuses: int) -> dict:
     return out
 
 
-def generation_responses(model: type[BaseModel], auth: bool, headers: dict | None = None) -> dict:
+def generation_responses(model: type[BaseModel], chunk: type[BaseModel], auth: bool,
+                         headers: dict | None = None) -> dict:
     ok = {"model": model, "description": "the completion (JSON), or its chunks (SSE) when `stream` is true",
-          "content": copy.deepcopy(_SSE)}
+          "content": _sse(chunk.__name__)}
     if headers:
         ok["headers"] = headers
     return {200: ok, **errors(400, *([401] if auth else []), 404, 413, 429, 500, 503)}
@@ -165,7 +194,7 @@ def build(app, max_model_len: int, vocab_size: int | None, auth: bool) -> dict:
     """The document of `app`, with the request models and the served model's limits filled in."""
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for model in (CompletionRequest, ChatCompletionRequest):
+    for model in (CompletionRequest, ChatCompletionRequest, ChatCompletionChunk, ErrorResponse):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

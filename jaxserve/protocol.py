@@ -17,13 +17,21 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 256  # prompts x n in one payload
-INT32_MAX = 2**31 - 1
+
+
+def _integral(v):
+    """JSON Schema counts 5.0 as an integer, so a strict int field takes it as 5 (and still
+    refuses 5.5, "5" and true)."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 def _only(schema: dict, allowed: Callable[[Any], bool], why: str):
@@ -92,24 +100,25 @@ class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, **_range(minimum=1))
+    max_tokens: Int | None = Field(None, **_range(minimum=1))
     temperature: float | None = Field(None, **_range(minimum=0))
     top_p: float | None = Field(None, **_range(exclusiveMinimum=0, maximum=1))
-    top_k: int | None = Field(None, description="-1 or 0: off", **_range(minimum=-1, maximum=INT32_MAX))
+    top_k: Int | None = Field(None, description="-1, 0 or at least the vocabulary size: off", **_range(minimum=-1))
     min_p: float | None = Field(None, **_range(minimum=0, maximum=1))
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, **_range(minimum=0, maximum=2**32 - 1))
+    n: Int = Field(1, ge=1, le=MAX_N)
+    seed: Int | None = Field(None, **_range(minimum=0, maximum=2**32 - 1))
     stop: str | list[str] | None = Field(None, description="strings that end generation (not empty)",
                                          **_range(minLength=1, items={"type": "string", "minLength": 1}))
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = False
     ignore_eos: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted; no effect")
     request_id: str | None = Field(None, description="vLLM: the id of the response (default: generated)")
-    truncate_prompt_tokens: int | None = Field(None, description="keep only the last k prompt tokens; "
-                                                                 "-1: the context", **_range(minimum=-1))
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema({"anyOf": [
+        {"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}]})] = Field(
+        None, description="keep only the last k prompt tokens; -1: as many as the context holds")
     presence_penalty: _zero("presence_penalty") = None
     frequency_penalty: _zero("frequency_penalty") = None
     repetition_penalty: _zero("repetition_penalty", 1.0) = None
@@ -154,7 +163,7 @@ class _Sampling(_Strict):
         return bool(self.include_usage and self.stream_options.continuous_usage_stats)
 
 
-Prompt = Annotated[str | list[str] | list[int] | list[list[int]],
+Prompt = Annotated[str | list[str] | list[Int] | list[list[Int]],
                    Field(description="a string, a list of strings, a list of token ids or a list of token-id lists")]
 
 
@@ -162,7 +171,7 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: Prompt
-    logprobs: int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
+    logprobs: Int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
     echo: bool | None = False
     add_special_tokens: bool | None = Field(True, description="add the tokenizer's BOS to text prompts")
     best_of: _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
@@ -209,9 +218,9 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, **_range(minimum=1))
+    max_completion_tokens: Int | None = Field(None, **_range(minimum=1))
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
+    top_logprobs: Int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
     add_generation_prompt: bool | None = True
     add_special_tokens: bool | None = Field(False, description="add the tokenizer's BOS to the rendered chat")
     chat_template: str | None = Field(None, description="a Jinja chat template for this request")

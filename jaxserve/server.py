@@ -63,7 +63,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
     app.state.engine = client
     app.state.metrics = metrics
     app.openapi = lambda: app.openapi_schema or _cache(app, openapi.build(app, info.max_model_len,
-                                                                           _vocab_size(tokenizer), auth))
+                                                                           info.vocab_size, auth))
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -124,7 +124,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)],
               openapi_extra=openapi.request_body(CompletionRequest),
-              responses=openapi.generation_responses(openapi.Completion, auth))
+              responses=openapi.generation_responses(openapi.Completion, openapi.Completion, auth))
     async def completions(request: Request):
         arrival = time.monotonic()
         body = await _parse(request, CompletionRequest, max_body_bytes)
@@ -138,7 +138,8 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
                    for p in texts]
         echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
                 for p in texts]
-        params = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        params = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
+                           info.vocab_size)
         payload = Payload(prompts, params, body.n, echo, chat=False, logprobs=body.logprobs is not None,
                           include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id)
         job = Job(client, request, name, payload, tokenizer, arrival)
@@ -146,7 +147,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)],
               openapi_extra=openapi.request_body(ChatCompletionRequest),
-              responses=openapi.generation_responses(openapi.ChatCompletion, auth, {HEADER: {
+              responses=openapi.generation_responses(openapi.ChatCompletion, openapi.ChatCompletionChunk, auth, {HEADER: {
                   "description": "the chat template used: model, file:NAME, request, or builtin:NAME when the "
                                  "model has none of its own", "required": True, "schema": {"type": "string"}}}))
     async def chat_completions(request: Request):
@@ -168,7 +169,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, info.max_model_len - len(prompt))
-        params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, info.vocab_size)
         payload = Payload([prompt], params, body.n, [""], chat=True, logprobs=bool(body.logprobs),
                           include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id)
         job = Job(client, request, name, payload, tokenizer, arrival)
@@ -180,10 +181,6 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
 def _cache(app: FastAPI, doc: dict) -> dict:
     app.openapi_schema = doc
     return doc
-
-
-def _vocab_size(tokenizer) -> int | None:
-    return getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
 
 
 # ---- request parsing ----
@@ -223,10 +220,10 @@ def _completion_prompts(prompt) -> list:
     return prompts
 
 
-def _sampling(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(body, k) is not None}
-    if given.get("top_k") == -1:  # vLLM's "off"
-        given["top_k"] = 0
+    if given.get("top_k") == -1 or given.get("top_k", 0) >= (vocab_size or 2**31):
+        given["top_k"] = 0  # -1 is vLLM's "off"; k past the vocabulary keeps every token (and fits int32)
     try:
         return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_list,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
