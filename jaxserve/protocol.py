@@ -12,7 +12,6 @@ The JSON schema of each field says exactly what is accepted (the OpenAPI documen
 these models). Sampling ranges are checked by `SamplingParams`; here they are only documented.
 """
 
-from __future__ import annotations
 
 import difflib
 from typing import Annotated, Any, Callable, Literal
@@ -86,6 +85,62 @@ _TEXT_FORMAT = {"type": "object", "properties": {"type": {"const": "text"}}, "re
                 "additionalProperties": False}
 
 
+# Fields accepted for compatibility (see _only): what each accepts, and why nothing more.
+_NO_TOOLS = "tools are not implemented by jaxserve"
+_NONE_OR_AUTO = {"enum": ["none", "auto"]}
+_PresencePenalty = _zero("presence_penalty")
+_FrequencyPenalty = _zero("frequency_penalty")
+_RepetitionPenalty = _zero("repetition_penalty", 1.0)
+_LengthPenalty = _zero("length_penalty", 1.0)
+_LogitBias = _empty("logit_bias is not implemented by jaxserve", "dict")
+_MinTokens = _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
+                   "min_tokens is not implemented by jaxserve; leave it at 0")
+_UseBeamSearch = _is(False, "beam search is not implemented by jaxserve")
+_SkipSpecialTokens = _is(True, "jaxserve always skips special tokens in the text")
+_PromptLogprobs = _absent("prompt_logprobs is not implemented by jaxserve")
+_AllowedTokenIds = _absent("allowed_token_ids is not implemented by jaxserve")
+_BadWords = _empty("bad_words is not implemented by jaxserve")
+_LogitsProcessors = _absent("logits processors are not implemented by jaxserve")
+_ResponseFormat = _only(_TEXT_FORMAT, lambda v: v == {"type": "text"},
+                        'only response_format {"type": "text"} is supported (no JSON mode)')
+_Guided = _absent("guided decoding is not implemented by jaxserve")
+_StructuredOutputs = _absent("structured outputs are not implemented by jaxserve")
+_Priority = _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
+                  "request priorities are not implemented by jaxserve; leave priority at 0")
+_ReturnTokensAsTokenIds = _is(False, "return_tokens_as_token_ids is not implemented by jaxserve")
+_ReturnTokenIds = _is(False, "return_token_ids is not implemented by jaxserve")
+_CacheSalt = _absent("cache_salt is not supported yet")
+_KvTransferParams = _absent("KV transfer is not implemented by jaxserve")
+_VllmXargs = _absent("vllm_xargs are not supported by jaxserve")
+_BestOf = _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
+                "best_of > 1 is not implemented by jaxserve (use n)")
+_Suffix = _only({"type": "string", "maxLength": 0}, lambda v: v == "",
+                "suffix (insertion) is not implemented by jaxserve")
+_PromptEmbeds = _absent("prompt_embeds are not supported by jaxserve")
+_ToolCalls = _empty("tool calls are not implemented by jaxserve")
+_FunctionCall = _absent("function calls are not implemented by jaxserve")
+_Audio = _absent("audio is not supported by jaxserve")
+_Tools = _empty(_NO_TOOLS)
+_ToolChoice = _only(_NONE_OR_AUTO, lambda v: v in ("none", "auto"),
+                    f'{_NO_TOOLS}: tool_choice may only be "none" or "auto"')
+_FunctionCallChat = _only(_NONE_OR_AUTO, lambda v: v in ("none", "auto"),
+                          f'{_NO_TOOLS}: function_call may only be "none" or "auto"')
+_Store = _is(False, "jaxserve does not store completions (store must be false)")
+_ServiceTier = _only({"enum": ["auto", "default"]}, lambda v: v in ("auto", "default"),
+                     'jaxserve has one service tier: "auto" or "default"')
+_Modalities = _only({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
+                    lambda v: v == ["text"], 'jaxserve outputs text only: modalities must be ["text"]')
+_AudioOutput = _absent("audio output is not supported by jaxserve")
+_Prediction = _absent("predicted outputs are not implemented by jaxserve")
+_ReasoningEffort = _absent("reasoning_effort is not supported: the served model does not reason")
+_Verbosity = _absent("verbosity is not supported by jaxserve")
+_WebSearchOptions = _absent("web search is not supported by jaxserve")
+_Echo = _is(False, "echo is not implemented for chat by jaxserve")
+_ContinueFinalMessage = _is(False, "continue_final_message is not implemented by jaxserve")
+_Documents = _absent("documents are not supported by jaxserve")
+_MmProcessorKwargs = _absent("jaxserve serves text-only models")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -119,36 +174,34 @@ class _Sampling(_Strict):
     truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema({"anyOf": [
         {"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}]})] = Field(
         None, description="keep only the last k prompt tokens; -1: as many as the context holds")
-    presence_penalty: _zero("presence_penalty") = None
-    frequency_penalty: _zero("frequency_penalty") = None
-    repetition_penalty: _zero("repetition_penalty", 1.0) = None
-    length_penalty: _zero("length_penalty", 1.0) = None
-    logit_bias: _empty("logit_bias is not implemented by jaxserve", "dict") = None
-    min_tokens: _only({"type": "integer", "maximum": 0, "minimum": 0}, _equals(0),
-                      "min_tokens is not implemented by jaxserve; leave it at 0") = None
-    use_beam_search: _is(False, "beam search is not implemented by jaxserve") = None
-    skip_special_tokens: _is(True, "jaxserve always skips special tokens in the text") = None
-    spaces_between_special_tokens: _is(True, "jaxserve always skips special tokens in the text") = None
-    prompt_logprobs: _absent("prompt_logprobs is not implemented by jaxserve") = None
-    allowed_token_ids: _absent("allowed_token_ids is not implemented by jaxserve") = None
-    bad_words: _empty("bad_words is not implemented by jaxserve") = None
-    logits_processors: _absent("logits processors are not implemented by jaxserve") = None
-    response_format: _only(_TEXT_FORMAT, lambda v: v == {"type": "text"},
-                           "only response_format {\"type\": \"text\"} is supported (no JSON mode)") = None
-    guided_json: _absent("guided decoding is not implemented by jaxserve") = None
-    guided_regex: _absent("guided decoding is not implemented by jaxserve") = None
-    guided_choice: _absent("guided decoding is not implemented by jaxserve") = None
-    guided_grammar: _absent("guided decoding is not implemented by jaxserve") = None
-    guided_decoding_backend: _absent("guided decoding is not implemented by jaxserve") = None
-    guided_whitespace_pattern: _absent("guided decoding is not implemented by jaxserve") = None
-    structured_outputs: _absent("structured outputs are not implemented by jaxserve") = None
-    priority: _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
-                    "request priorities are not implemented by jaxserve; leave priority at 0") = None
-    return_tokens_as_token_ids: _is(False, "return_tokens_as_token_ids is not implemented by jaxserve") = None
-    return_token_ids: _is(False, "return_token_ids is not implemented by jaxserve") = None
-    cache_salt: _absent("cache_salt is not supported yet") = None
-    kv_transfer_params: _absent("KV transfer is not implemented by jaxserve") = None
-    vllm_xargs: _absent("vllm_xargs are not supported by jaxserve") = None
+    presence_penalty: _PresencePenalty = None
+    frequency_penalty: _FrequencyPenalty = None
+    repetition_penalty: _RepetitionPenalty = None
+    length_penalty: _LengthPenalty = None
+    logit_bias: _LogitBias = None
+    min_tokens: _MinTokens = None
+    best_of: _BestOf = None
+    use_beam_search: _UseBeamSearch = None
+    skip_special_tokens: _SkipSpecialTokens = None
+    spaces_between_special_tokens: _SkipSpecialTokens = None
+    prompt_logprobs: _PromptLogprobs = None
+    allowed_token_ids: _AllowedTokenIds = None
+    bad_words: _BadWords = None
+    logits_processors: _LogitsProcessors = None
+    response_format: _ResponseFormat = None
+    guided_json: _Guided = None
+    guided_regex: _Guided = None
+    guided_choice: _Guided = None
+    guided_grammar: _Guided = None
+    guided_decoding_backend: _Guided = None
+    guided_whitespace_pattern: _Guided = None
+    structured_outputs: _StructuredOutputs = None
+    priority: _Priority = None
+    return_tokens_as_token_ids: _ReturnTokensAsTokenIds = None
+    return_token_ids: _ReturnTokenIds = None
+    cache_salt: _CacheSalt = None
+    kv_transfer_params: _KvTransferParams = None
+    vllm_xargs: _VllmXargs = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -174,11 +227,8 @@ class CompletionRequest(_Sampling):
     logprobs: Int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
     echo: bool | None = False
     add_special_tokens: bool | None = Field(True, description="add the tokenizer's BOS to text prompts")
-    best_of: _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
-                   "best_of > 1 is not implemented by jaxserve (use n)") = None
-    suffix: _only({"type": "string", "maxLength": 0}, lambda v: v == "", "suffix (insertion) is not "
-                  "implemented by jaxserve") = None
-    prompt_embeds: _absent("prompt_embeds are not supported by jaxserve") = None
+    suffix: _Suffix = None
+    prompt_embeds: _PromptEmbeds = None
 
 
 class ContentPart(_Strict):
@@ -200,9 +250,9 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_call_id: str | None = Field(None, description="accepted; no effect")
     refusal: str | None = Field(None, description="accepted; no effect")
-    tool_calls: _empty("tool calls are not implemented by jaxserve") = None
-    function_call: _absent("function calls are not implemented by jaxserve") = None
-    audio: _absent("audio is not supported by jaxserve") = None
+    tool_calls: _ToolCalls = None
+    function_call: _FunctionCall = None
+    audio: _Audio = None
 
     @property
     def text(self) -> str:
@@ -210,8 +260,6 @@ class ChatMessage(_Strict):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-
-_NO_TOOLS = "tools are not implemented by jaxserve"
 
 
 class ChatCompletionRequest(_Sampling):
@@ -225,31 +273,27 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: bool | None = Field(False, description="add the tokenizer's BOS to the rendered chat")
     chat_template: str | None = Field(None, description="a Jinja chat template for this request")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
-    tools: _empty(_NO_TOOLS) = None
-    tool_choice: _only({"enum": ["none", "auto"]}, lambda v: v in ("none", "auto"),
-                       f"{_NO_TOOLS}: tool_choice may only be \"none\" or \"auto\"") = None
+    tools: _Tools = None
+    tool_choice: _ToolChoice = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; no effect (no tools)")
-    functions: _empty(_NO_TOOLS) = None
-    function_call: _only({"enum": ["none", "auto"]}, lambda v: v in ("none", "auto"),
-                         f"{_NO_TOOLS}: function_call may only be \"none\" or \"auto\"") = None
+    functions: _Tools = None
+    function_call: _FunctionCallChat = None
     metadata: dict[str, str] | None = Field(None, description="accepted; not stored")
-    store: _is(False, "jaxserve does not store completions (store must be false)") = None
-    service_tier: _only({"enum": ["auto", "default"]}, lambda v: v in ("auto", "default"),
-                        "jaxserve has one service tier: \"auto\" or \"default\"") = None
+    store: _Store = None
+    service_tier: _ServiceTier = None
     safety_identifier: str | None = Field(None, description="accepted; no effect")
     prompt_cache_key: str | None = Field(None, description="accepted; no effect")
-    modalities: _only({"type": "array", "items": {"const": "text"}, "maxItems": 1, "minItems": 1},
-                      lambda v: v == ["text"], "jaxserve outputs text only: modalities must be [\"text\"]") = None
-    audio: _absent("audio output is not supported by jaxserve") = None
-    prediction: _absent("predicted outputs are not implemented by jaxserve") = None
-    reasoning_effort: _absent("reasoning_effort is not supported: the served model does not reason") = None
+    modalities: _Modalities = None
+    audio: _AudioOutput = None
+    prediction: _Prediction = None
+    reasoning_effort: _ReasoningEffort = None
     include_reasoning: bool | None = Field(None, description="accepted; no effect (no reasoning)")
-    verbosity: _absent("verbosity is not supported by jaxserve") = None
-    web_search_options: _absent("web search is not supported by jaxserve") = None
-    echo: _is(False, "echo is not implemented for chat by jaxserve") = None
-    continue_final_message: _is(False, "continue_final_message is not implemented by jaxserve") = None
-    documents: _absent("documents are not supported by jaxserve") = None
-    mm_processor_kwargs: _absent("jaxserve serves text-only models") = None
+    verbosity: _Verbosity = None
+    web_search_options: _WebSearchOptions = None
+    echo: _Echo = None
+    continue_final_message: _ContinueFinalMessage = None
+    documents: _Documents = None
+    mm_processor_kwargs: _MmProcessorKwargs = None
 
 
 _SHAPES = {"prompt": "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
