@@ -159,7 +159,10 @@ class Job:
     def _apply(self, deltas) -> set[int]:
         touched = set()
         for d in deltas:
-            self.choices[d.index].add(d.token_ids, d.logprobs, d.finish_reason)
+            c = self.choices[d.index]
+            if c.num_tokens == 0 and d.token_ids:
+                self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
+            c.add(d.token_ids, d.logprobs, d.finish_reason)
             touched.add(d.index)
         return touched
 

@@ -144,7 +144,7 @@ class _Core:
                 break
             if engine.has_unfinished():
                 engine.step()
-                fill_wait = engine.idle and engine.stats()["waiting"] > 0
+                fill_wait = engine.idle and engine.stats().get("waiting", 0) > 0
             self._send(("batch", [], self.collect(), engine.stats()))
         self.abort_all()
 

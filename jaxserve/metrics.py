@@ -41,6 +41,9 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("jaxserve_time_per_output_token_seconds", "Mean time per token after the first",
                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.api_ttft = Histogram("jaxserve_api_time_to_first_token_seconds",
+                                  "Arrival to the first token reaching its HTTP handler (engine TTFT plus the "
+                                  "rest of its step and the channel)", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",

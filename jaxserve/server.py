@@ -31,6 +31,7 @@ from jaxserve.batching import SamplingParams
 from jaxserve.chat_template import HEADER, ChatTemplates
 from jaxserve.completion_job import Job, Payload, param_of
 from jaxserve.engine_client import EngineClient
+from jaxserve.engine_core import EngineFactory
 from jaxserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,14 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                model_name: str | None = None, chat_template: str | None = None) -> FastAPI:
-    """The app over an EngineClient (its engine in another process, or a thread), or over an
-    Engine object, whose loop then runs in a thread that the app owns and stops at shutdown."""
+    """The app over an EngineClient (its engine in another process, or a thread); over an
+    EngineFactory, whose engine process the app starts; or over an Engine object, whose loop then
+    runs in a thread. The app stops what it started when it shuts down."""
     owned = not isinstance(engine_or_client, EngineClient)
-    client = EngineClient.in_thread(engine_or_client) if owned else engine_or_client
+    if isinstance(engine_or_client, EngineFactory):
+        client = EngineClient.spawn(engine_or_client)
+    else:
+        client = EngineClient.in_thread(engine_or_client) if owned else engine_or_client
     info = client.info
     tokenizer = info.tokenizer
     name = model_name or info.model_name
@@ -239,7 +244,6 @@ def run(args) -> None:
     import uvicorn
 
     from jaxserve.engine_args import engine_config_from_args
-    from jaxserve.engine_core import EngineFactory
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

@@ -3,16 +3,18 @@
 A closed loop keeps --concurrency requests in flight: each time one finishes, the next starts.
 Every request has a --prompt-tokens prompt (random words cut to that many tokens, BOS included)
 and generates exactly --output-tokens tokens (greedy, ignore_eos). Both runs use the same engine
-options and the same prompts, one after the other, each after a warm-up of --warmup requests:
+options and the same prompts, after a warm-up of --warmup requests each; with --rounds N they
+alternate N times (both engines stay loaded), so a change in the machine's load hits both alike:
 
   in-process: Engine.from_pretrained(...) in this process, add_request / step;
   HTTP:       `jaxserve serve` (API process + engine process) on loopback, streaming completions
               read by an asyncio httpx client here (or a server already running: --url).
 
 TTFT is measured from submission to the first generated token (in-process: seen after a step;
-HTTP: the first chunk with text), ITL as (last token - first token) / (tokens - 1), and output
-tok/s over the measured phase. The server's own TTFT (arrival in the API process to the first
-token, from /metrics) splits the HTTP TTFT into the part inside the server and the part outside.
+HTTP: the first chunk, which the server sends for the first step that made a token), ITL as (last token - first token) / (tokens - 1), and output
+tok/s over the measured phase. The server's own figures (from /metrics) split the HTTP TTFT: from
+the request's arrival in the API process to its first token's sampling in the engine, to that
+token reaching its HTTP handler (the rest of the engine step, the channel), and the rest outside.
 
     python scripts/bench_serving.py --max-slots 32                       # Gemma 3 270M
     python scripts/bench_serving.py --model tiny-ckpt --mode http --url http://127.0.0.1:8000
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import random
@@ -57,20 +58,20 @@ def make_prompts(tokenizer, count: int, num_tokens: int, seed: int) -> list[str]
 
 
 def summarize(name: str, ttft: list[float], itl: list[float], tokens: int, elapsed: float) -> dict:
-    out = {"mode": name, "requests": len(ttft), "output_tokens": tokens, "elapsed_s": elapsed,
+    out = {"mode": name, "ttft": ttft, "itl": itl, "requests": len(ttft), "output_tokens": tokens, "elapsed_s": elapsed,
            "output_tok_s": tokens / elapsed, "ttft_mean_s": statistics.mean(ttft),
            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
            "itl_mean_ms": 1000 * statistics.mean(itl)}
     print(f"{name:>10}: {out['requests']} requests, {tokens} tokens in {elapsed:.1f} s: "
           f"{out['output_tok_s']:.1f} output tok/s; TTFT mean {out['ttft_mean_s']:.3f} s "
-          f"(p50 {out['ttft_p50_s']:.3f}, p99 {out['ttft_p99_s']:.3f}); ITL mean {out['itl_mean_ms']:.1f} ms",
-          flush=True)
+          f"(p50 {out['ttft_p50_s']:.3f}, p99 {out['ttft_p99_s']:.3f}); ITL mean {out['itl_mean_ms']:.1f} ms; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
     return out
 
 
 # ---- in-process ----
 
-def run_in_process(engine, prompts: list[str], args) -> dict:
+def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
     from jaxserve import SamplingParams
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
 
@@ -97,7 +98,8 @@ def run_in_process(engine, prompts: list[str], args) -> dict:
                     del live[request_id]
         return ttft, itl, tokens, time.perf_counter() - start
 
-    closed_loop(prompts[: args.warmup])
+    if warm:
+        closed_loop(prompts[: args.warmup])
     compiles = engine.stats()["num_compiles"]
     out = summarize("in-process", *closed_loop(prompts[args.warmup:]))
     out["compiles_measured"] = engine.stats()["num_compiles"] - compiles
@@ -123,7 +125,7 @@ async def http_closed_loop(url: str, model: str, prompts: list[str], args):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                    if first is None and chunk["choices"]:  # a chunk per step that made tokens
                         first = time.perf_counter()
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
@@ -145,20 +147,25 @@ def server_metrics(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^(jaxserve_\S+) (\S+)$", text, re.M)}
 
 
-def run_http(url: str, prompts: list[str], args) -> dict:
+def run_http(url: str, prompts: list[str], args, warm: bool) -> dict:
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    asyncio.run(http_closed_loop(url, model, prompts[: args.warmup], args))
+    if warm:
+        asyncio.run(http_closed_loop(url, model, prompts[: args.warmup], args))
     before = server_metrics(url)
     out = summarize("HTTP", *asyncio.run(http_closed_loop(url, model, prompts[args.warmup:], args)))
     after = server_metrics(url)
     diff = {k: v - before.get(k, 0) for k, v in after.items()}
     out["compiles_measured"] = diff.get("jaxserve_num_compiles_total")
-    if diff.get("jaxserve_time_to_first_token_seconds_count"):
-        out["server_ttft_mean_s"] = (diff["jaxserve_time_to_first_token_seconds_sum"]
-                                     / diff["jaxserve_time_to_first_token_seconds_count"])
-        print(f"{'':>10}  inside the server (arrival in the API process -> first token): TTFT mean "
-              f"{out['server_ttft_mean_s']:.3f} s; outside (client, HTTP, SSE): "
-              f"{out['ttft_mean_s'] - out['server_ttft_mean_s']:.3f} s", flush=True)
+    def mean(name):
+        count = diff.get(f"jaxserve_{name}_count")
+        return diff[f"jaxserve_{name}_sum"] / count if count else None
+    out["engine_ttft_mean_s"] = mean("time_to_first_token_seconds")
+    out["api_ttft_mean_s"] = mean("api_time_to_first_token_seconds")
+    if out["engine_ttft_mean_s"] is not None and out["api_ttft_mean_s"] is not None:
+        print(f"{'':>10}  TTFT mean, from the request's arrival in the API process: {out['engine_ttft_mean_s']:.3f} s "
+              f"to the token's sampling in the engine, {out['api_ttft_mean_s']:.3f} s to its handler; "
+              f"{out['ttft_mean_s'] - out['api_ttft_mean_s']:.3f} s outside the server (client, HTTP, SSE)",
+              flush=True)
     return out
 
 
@@ -195,6 +202,7 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate in-process and HTTP this many times")
     parser.add_argument("--server-log", default="bench_serving_server.log")
     parser.add_argument("--json", default=None, help="write the results here")
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -205,22 +213,32 @@ def main(argv=None) -> None:
     from jaxserve.engine import Engine
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
     prompts = make_prompts(engine.tokenizer, args.warmup + args.requests, args.prompt_tokens, args.prompt_seed)
-    if args.mode in ("both", "in-process"):
-        results["in_process"] = run_in_process(engine, prompts, args)
-    del engine
-    gc.collect()
-    if args.mode in ("both", "http"):
-        proc, url = (None, args.url) if args.url else start_server(args)
-        try:
-            results["http"] = run_http(url, prompts, args)
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
-    for mode in ("in_process", "http"):
-        if results.get(mode, {}).get("compiles_measured"):
-            print(f"note: {results[mode]['compiles_measured']:.0f} compiles in the measured {mode} phase "
-                  "(raise --warmup)")
+    proc, url = None, args.url
+    if args.mode in ("both", "http") and url is None:
+        proc, url = start_server(args)
+    modes = {"both": ("in_process", "http"), "in-process": ("in_process",), "http": ("http",)}[args.mode]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    try:
+        for i in range(args.rounds):  # alternating, so a change of machine load hits both alike
+            print(f"round {i + 1} of {args.rounds}", flush=True)
+            if "in_process" in runs:
+                runs["in_process"].append(run_in_process(engine, prompts, args, warm=i == 0))
+            if "http" in runs:
+                runs["http"].append(run_http(url, prompts, args, warm=i == 0))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    for mode, rounds in runs.items():
+        if any(r.get("compiles_measured") for r in rounds):
+            print(f"note: compiles in a measured {mode} phase (raise --warmup)")
+        if args.rounds > 1:
+            print("all rounds:", end=" ")
+        results[mode] = summarize(mode.replace("_", "-") if args.rounds > 1 else mode, *_totals(rounds)) \
+            if args.rounds > 1 else rounds[0]
+        results[mode]["rounds"] = [{k: v for k, v in r.items() if k not in ("ttft", "itl")} for r in rounds]
+        for r in (results[mode], *results[mode]["rounds"]):
+            r.pop("ttft", None), r.pop("itl", None)
     if "in_process" in results and "http" in results:
         a, b = results["in_process"], results["http"]
         results["ratio"] = {"output_tok_s": b["output_tok_s"] / a["output_tok_s"],
@@ -234,6 +252,12 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _totals(rounds: list[dict]):
+    """(ttft, itl, tokens, elapsed) over all rounds."""
+    return ([t for r in rounds for t in r["ttft"]], [t for r in rounds for t in r["itl"]],
+            sum(r["output_tokens"] for r in rounds), sum(r["elapsed_s"] for r in rounds))
 
 
 def _engine_argv(raw: list[str]) -> list[str]:
