@@ -32,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -203,7 +204,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--rounds", type=int, default=1, help="alternate in-process and HTTP this many times")
-    parser.add_argument("--server-log", default="bench_serving_server.log")
+    parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "bench_serving_server.log"))
     parser.add_argument("--json", default=None, help="write the results here")
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
