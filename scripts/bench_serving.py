@@ -101,9 +101,11 @@ def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
 
     if warm:
         closed_loop(prompts[: args.warmup])
-    compiles = engine.stats()["num_compiles"]
+    compiles, cpu = engine.stats()["num_compiles"], _cpu_s(os.getpid())
     out = summarize("in-process", *closed_loop(prompts[args.warmup:]))
     out["compiles_measured"] = engine.stats()["num_compiles"] - compiles
+    out["cpu_s"] = {"engine (this process)": _cpu_s(os.getpid()) - cpu}
+    _print_cpu(out)
     return out
 
 
@@ -148,13 +150,16 @@ def server_metrics(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^(jaxserve_\S+) (\S+)$", text, re.M)}
 
 
-def run_http(url: str, prompts: list[str], args, warm: bool) -> dict:
+def run_http(url: str, prompts: list[str], args, warm: bool, server_pid: int | None) -> dict:
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     if warm:
         asyncio.run(http_closed_loop(url, model, prompts[: args.warmup], args))
-    before = server_metrics(url)
+    before, cpu, client_cpu = server_metrics(url), _server_cpu_s(server_pid), _cpu_s(os.getpid())
     out = summarize("HTTP", *asyncio.run(http_closed_loop(url, model, prompts[args.warmup:], args)))
     after = server_metrics(url)
+    out["cpu_s"] = {k: v - cpu.get(k, 0.0) for k, v in _server_cpu_s(server_pid).items()}
+    out["cpu_s"]["client (this process)"] = _cpu_s(os.getpid()) - client_cpu
+    _print_cpu(out)
     diff = {k: v - before.get(k, 0) for k, v in after.items()}
     out["compiles_measured"] = diff.get("jaxserve_num_compiles_total")
     def mean(name):
@@ -203,6 +208,8 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--server-pid", type=int, default=None, help="with --url: the server's process, whose "
+                        "CPU time (and its children's) is then reported")
     parser.add_argument("--rounds", type=int, default=1, help="alternate in-process and HTTP this many times")
     parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "bench_serving_server.log"))
     parser.add_argument("--json", default=None, help="write the results here")
@@ -225,7 +232,8 @@ def main(argv=None) -> None:
             if "in_process" in runs:
                 runs["in_process"].append(run_in_process(engine, prompts, args, warm=i == 0))
             if "http" in runs:
-                runs["http"].append(run_http(url, prompts, args, warm=i == 0))
+                runs["http"].append(run_http(url, prompts, args, warm=i == 0,
+                                             server_pid=proc.pid if proc is not None else args.server_pid))
     finally:
         if proc is not None:
             proc.terminate()
@@ -253,6 +261,31 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads)."""
+    import psutil
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _server_cpu_s(pid: int | None) -> dict[str, float]:
+    """CPU seconds of the server process and of each child (the engine process)."""
+    if pid is None:
+        return {}
+    import psutil
+    out = {"API process": _cpu_s(pid)}
+    for child in psutil.Process(pid).children():
+        name = "engine process" if "spawn_main" in " ".join(child.cmdline()) else f"child {child.pid}"
+        out[name] = _cpu_s(child.pid)
+    return out
+
+
+def _print_cpu(out: dict) -> None:
+    per_k = {k: 1000 * v / out["output_tokens"] for k, v in out["cpu_s"].items()}
+    print(f"{'':>10}  CPU seconds per 1000 output tokens: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in per_k.items()), flush=True)
 
 
 def _totals(rounds: list[dict]):
