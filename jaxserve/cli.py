@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(gen)
     gen.set_defaults(func=generate)
     srv = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server (the engine in its own process)")
-    add_engine_args(srv)
+    add_engine_args(srv, max_waiting=256)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
                           "checkpoint converted without it)")
-    srv.set_defaults(func=serve, max_waiting=256)
+    srv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -53,18 +53,19 @@ _OPTIONS = (
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Adds `--model` and one option per EngineConfig field that a user may set."""
+def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """Adds `--model` and one option per EngineConfig field that a user may set; `defaults`
+    (by field name) replace EngineConfig's defaults for this command."""
     parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or Orbax checkpoint "
                                                       "(default: Gemma 3 270M)")
-    defaults = EngineConfig()
+    config = EngineConfig()
     for o in _OPTIONS:
         if o.field not in EngineConfig.__dataclass_fields__:
             continue  # a field the engine no longer has
-        default = getattr(defaults, o.field)
+        default = defaults.get(o.field, getattr(config, o.field))
         shown = f"{default >> 20} MiB" if o.field == "kv_cache_bytes" else default
-        parser.add_argument(o.flag, dest=o.field, type=o.type, choices=o.choices, default=None,
-                            help=f"{o.help} (default: {shown})")
+        parser.add_argument(o.flag, dest=o.field, type=o.type, choices=o.choices, default=defaults.get(o.field),
+                            help=o.help if default is None else f"{o.help} (default: {shown})")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -74,6 +74,8 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
                 parent_pid: int) -> None:
     """Entry point of the engine process: build the engine, then serve until told to stop (or
     until the API process is gone)."""
+    from jaxserve.host_memory import keep_freed_memory
+    keep_freed_memory()  # before the ZMQ and XLA threads start, as the engine wants it
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     commands, outputs = connect(context, commands_addr, outputs_addr)

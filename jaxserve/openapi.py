@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from jaxserve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -133,6 +133,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    chat_template: str = Field(description="model, file:NAME, or builtin:NAME when the model has no template of "
+                                           "its own (a base model: prefer /v1/completions)")
 
 
 class ModelList(BaseModel):

@@ -124,8 +124,8 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
     @app.get("/v1/models", dependencies=[Depends(authorize)], response_model=openapi.ModelList,
              responses=openapi.errors(*([401] if auth else [])))
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "jaxserve", "max_model_len": info.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                                            "max_model_len": info.max_model_len, "chat_template": templates.source}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)],
               openapi_extra=openapi.request_body(CompletionRequest),
