@@ -6,40 +6,16 @@ import argparse
 import sys
 import time
 
-
-def engine_args(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: Gemma 3 270M)")
-    parser.add_argument("--strategy", default="paged", choices=["none", "static", "dynamic", "continuous", "paged"])
-    parser.add_argument("--max-slots", type=int, default=32)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--kv-cache-mb", type=int, default=1024, help="KV pool budget in MiB")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
-    parser.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4")
-
-
-def engine_config(args: argparse.Namespace):
-    from jaxserve.config import EngineConfig
-    mesh = None
-    if args.mesh:
-        try:
-            mesh = {k: int(v) for k, v in (part.split("=") for part in args.mesh.split(","))}
-        except ValueError:
-            raise SystemExit(f"--mesh must look like data=2,model=4, got {args.mesh!r}")
-    return EngineConfig(strategy=args.strategy, max_slots=args.max_slots, page_size=args.page_size,
-                        kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=args.max_model_len,
-                        dtype=args.dtype, attention_backend=args.attention_backend, mesh=mesh)
+from jaxserve.engine_args import add_engine_args, engine_config_from_args
 
 
 def generate(args: argparse.Namespace) -> None:
     from jaxserve import Engine, SamplingParams
     start = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, engine_config(args))
+    engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
     print(f"[loaded {engine.model_name} in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.sample_seed)
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
@@ -48,6 +24,11 @@ def generate(args: argparse.Namespace) -> None:
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     tokens = sum(len(o.token_ids) for o in outputs)
     print(f"[{tokens} tokens in {elapsed:.2f} s (compiles included): {tokens / elapsed:.1f} tok/s]", file=sys.stderr)
+
+
+def serve(args: argparse.Namespace) -> None:
+    from jaxserve.server import run
+    run(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,20 +40,22 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    engine_args(gen)
+    gen.add_argument("--sample-seed", type=int, default=None, help="the sampling seed of every prompt")
+    add_engine_args(gen)
     gen.set_defaults(func=generate)
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-waiting", type=int, default=256)
-    serve.set_defaults(func=lambda a: __import__("jaxserve.server", fromlist=["run"]).run(a))
+    srv = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server (the engine in its own process)")
+    add_engine_args(srv, max_waiting=256)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
+                          "checkpoint converted without it)")
+    srv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"error: {e}")
 
 

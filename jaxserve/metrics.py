@@ -1,8 +1,10 @@
 """Prometheus metrics of one server: a registry of its own (two apps in one process never clash).
 
-The engine loop thread updates them (`observe_engine` after each iteration, `observe_finished` when
-a request ends); HTTP handlers only count rejections and render the text format. Names follow the
-vLLM vocabulary: TTFT, TPOT (time per output token after the first), end-to-end latency, queue time.
+They live in the API process. The engine client's receiver thread updates them from the engine
+core's messages (`observe_engine` with the stats sent after each step, `observe_finished` with the
+timings of each finished request); HTTP handlers count rejections and render the text format.
+Names follow the vLLM vocabulary: TTFT, TPOT (time per output token after the first), end-to-end
+latency, queue time.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("jaxserve_time_per_output_token_seconds", "Mean time per token after the first",
                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.api_ttft = Histogram("jaxserve_api_time_to_first_token_seconds",
+                                  "Arrival to the first token reaching its HTTP handler (engine TTFT plus the "
+                                  "rest of its step and the channel)", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
@@ -60,19 +65,20 @@ class Metrics:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value
 
-    def observe_finished(self, request) -> None:
-        """Records a finished engine Request (times are time.monotonic stamps)."""
-        reason = request.finish_reason.value if request.finish_reason else "unknown"
+    def observe_finished(self, reason: str, timings: dict[str, float | None] | None) -> None:
+        """Records a finished request: its finish reason and, in seconds from arrival, its queue
+        time, TTFT and end-to-end latency, plus its TPOT (any of them None when unknown)."""
         self.finished.labels(finish_reason=reason).inc()
-        if request.admit_time is not None:
-            self.queue_time.observe(request.admit_time - request.arrival_time)
-        if request.first_token_time is not None:
-            self.ttft.observe(request.first_token_time - request.arrival_time)
-        if reason in ("stop", "length") and request.finish_time is not None:
-            self.e2e.observe(request.finish_time - request.arrival_time)
-            n = len(request.output_token_ids)
-            if n > 1 and request.first_token_time is not None:
-                self.tpot.observe((request.finish_time - request.first_token_time) / (n - 1))
+        t = timings or {}
+        if t.get("queue") is not None:
+            self.queue_time.observe(t["queue"])
+        if t.get("ttft") is not None:
+            self.ttft.observe(t["ttft"])
+        if reason in ("stop", "length"):
+            if t.get("e2e") is not None:
+                self.e2e.observe(t["e2e"])
+            if t.get("tpot") is not None:
+                self.tpot.observe(t["tpot"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

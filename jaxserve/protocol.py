@@ -1,20 +1,144 @@
-"""OpenAI-compatible request bodies (pydantic, strict types, unknown fields refused) and the error
-envelope. Responses are plain dicts built by the server in the OpenAI shapes.
+"""OpenAI- and vLLM-compatible request bodies (pydantic, strict types) and the error envelope.
 
-Sampling ranges are checked once, by `SamplingParams`; here only types, `n` and the penalties
-that jaxserve does not implement (a non-default value is refused rather than ignored).
+Every field that OpenAI's or vLLM's completions and chat APIs define is accepted by name; a field
+no API defines (a typo such as `max_token`) is refused and named. Each accepted field is one of:
+- honoured: sampling, `n`, `stop`, `logprobs`, `echo`, `stream_options`, `truncate_prompt_tokens`,
+  `add_special_tokens`, `chat_template`, ...;
+- a no-op by nature (`user`, `metadata`, `parallel_tool_calls`, `prompt_cache_key`, ...);
+- `_only` its default or a value that changes nothing (`tool_choice: "none"`, `tools: []`,
+  `presence_penalty: 0`, `response_format: {"type": "text"}`, `store: false`, ...): any other
+  value is a 400 that says why, rather than being silently ignored.
+The JSON schema of each field says exactly what is accepted (the OpenAPI document is built from
+these models). Sampling ranges are checked by `SamplingParams`; here they are only documented.
 """
 
-from __future__ import annotations
 
-from typing import Literal
+import difflib
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+
+from jaxserve.batching.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 256  # prompts x n in one payload
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+
+def _integral(v):
+    """JSON Schema counts 5.0 as an integer, so a strict int field takes it as 5 (and still
+    refuses 5.5, "5" and true)."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _only(schema: dict, allowed: Callable[[Any], bool], why: str):
+    """A field accepted for compatibility: null and the values for which `allowed(v)` holds pass
+    (they change nothing); any other is refused with `why`. `schema` documents exactly those."""
+    def check(v):
+        if v is not None and not allowed(v):
+            raise ValueError(why)
+        return v
+    return Annotated[Any, AfterValidator(check),
+                     WithJsonSchema({"anyOf": [schema, {"type": "null"}], "description": why})]
+
+
+def _number(x) -> bool:
+    return type(x) in (int, float)
+
+
+def _equals(value):
+    return lambda v: _number(v) and v == value
+
+
+def _is(value, why: str):
+    """Only `value` (a bool or string default) or null."""
+    return _only({"const": value}, lambda v: type(v) is type(value) and v == value, why)
+
+
+def _zero(name: str, default: float = 0.0):
+    return _only({"type": "number", "minimum": default, "maximum": default}, _equals(default),
+                 f"{name} is not implemented by jaxserve; leave it at {default:g}")
+
+
+_EMPTY_LIST = {"type": "array", "maxItems": 0}
+_EMPTY_OBJECT = {"type": "object", "maxProperties": 0}
+
+
+def _empty(why: str, kind: str = "list"):
+    schema, t = (_EMPTY_LIST, list) if kind == "list" else (_EMPTY_OBJECT, dict)
+    return _only(schema, lambda v: type(v) is t and not v, why)
+
+
+def _absent(why: str):
+    """Only null: a feature jaxserve does not have."""
+    return _only({"not": {}}, lambda v: False, why)
+
+
+def _range(**bounds) -> dict:
+    """A JSON-schema range for documentation (SamplingParams enforces it)."""
+    return {"json_schema_extra": bounds}
+
+
+_TEXT_FORMAT = {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+                "additionalProperties": False}
+
+
+# Fields accepted for compatibility (see _only): what each accepts, and why nothing more.
+_NO_TOOLS = "tools are not implemented by jaxserve"
+_NONE_OR_AUTO = {"enum": ["none", "auto"]}
+_PresencePenalty = _zero("presence_penalty")
+_FrequencyPenalty = _zero("frequency_penalty")
+_RepetitionPenalty = _zero("repetition_penalty", 1.0)
+_LengthPenalty = _zero("length_penalty", 1.0)
+_LogitBias = _empty("logit_bias is not implemented by jaxserve", "dict")
+_MinTokens = _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
+                   "min_tokens is not implemented by jaxserve; leave it at 0")
+_UseBeamSearch = _is(False, "beam search is not implemented by jaxserve")
+_SkipSpecialTokens = _is(True, "jaxserve always skips special tokens in the text")
+_PromptLogprobs = _absent("prompt_logprobs is not implemented by jaxserve")
+_AllowedTokenIds = _absent("allowed_token_ids is not implemented by jaxserve")
+_BadWords = _empty("bad_words is not implemented by jaxserve")
+_LogitsProcessors = _absent("logits processors are not implemented by jaxserve")
+_ResponseFormat = _only(_TEXT_FORMAT, lambda v: v == {"type": "text"},
+                        'only response_format {"type": "text"} is supported (no JSON mode)')
+_Guided = _absent("guided decoding is not implemented by jaxserve")
+_StructuredOutputs = _absent("structured outputs are not implemented by jaxserve")
+_Priority = _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
+                  "request priorities are not implemented by jaxserve; leave priority at 0")
+_ReturnTokensAsTokenIds = _is(False, "return_tokens_as_token_ids is not implemented by jaxserve")
+_ReturnTokenIds = _is(False, "return_token_ids is not implemented by jaxserve")
+_CacheSalt = _absent("cache_salt is not supported yet")
+_KvTransferParams = _absent("KV transfer is not implemented by jaxserve")
+_VllmXargs = _absent("vllm_xargs are not supported by jaxserve")
+_BestOf = _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
+                "best_of > 1 is not implemented by jaxserve (use n)")
+_Suffix = _only({"type": "string", "maxLength": 0}, lambda v: v == "",
+                "suffix (insertion) is not implemented by jaxserve")
+_PromptEmbeds = _absent("prompt_embeds are not supported by jaxserve")
+_ToolCalls = _empty("tool calls are not implemented by jaxserve")
+_FunctionCall = _absent("function calls are not implemented by jaxserve")
+_Audio = _absent("audio is not supported by jaxserve")
+_Tools = _empty(_NO_TOOLS)
+_ToolChoice = _only(_NONE_OR_AUTO, lambda v: v in ("none", "auto"),
+                    f'{_NO_TOOLS}: tool_choice may only be "none" or "auto"')
+_FunctionCallChat = _only(_NONE_OR_AUTO, lambda v: v in ("none", "auto"),
+                          f'{_NO_TOOLS}: function_call may only be "none" or "auto"')
+_Store = _is(False, "jaxserve does not store completions (store must be false)")
+_ServiceTier = _only({"enum": ["auto", "default"]}, lambda v: v in ("auto", "default"),
+                     'jaxserve has one service tier: "auto" or "default"')
+_Modalities = _only({"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
+                    lambda v: v == ["text"], 'jaxserve outputs text only: modalities must be ["text"]')
+_AudioOutput = _absent("audio output is not supported by jaxserve")
+_Prediction = _absent("predicted outputs are not implemented by jaxserve")
+_ReasoningEffort = _absent("reasoning_effort is not supported: the served model does not reason")
+_Verbosity = _absent("verbosity is not supported by jaxserve")
+_WebSearchOptions = _absent("web search is not supported by jaxserve")
+_Echo = _is(False, "echo is not implemented for chat by jaxserve")
+_ContinueFinalMessage = _is(False, "continue_final_message is not implemented by jaxserve")
+_Documents = _absent("documents are not supported by jaxserve")
+_MmProcessorKwargs = _absent("jaxserve serves text-only models")
 
 
 class _Strict(BaseModel):
@@ -22,43 +146,62 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
+    include_usage: bool | None = Field(False, description="a last chunk with the usage of the whole request")
+    continuous_usage_stats: bool | None = Field(False, description="vLLM: usage so far in every chunk")
+    include_obfuscation: bool | None = Field(None, description="accepted; jaxserve never pads chunks")
 
 
 class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_tokens: Int | None = Field(None, **_range(minimum=1))
+    temperature: float | None = Field(None, **_range(minimum=0))
+    top_p: float | None = Field(None, **_range(exclusiveMinimum=0, maximum=1))
+    top_k: Int | None = Field(None, description="-1, 0 or at least the vocabulary size: off", **_range(minimum=-1))
+    min_p: float | None = Field(None, **_range(minimum=0, maximum=1))
+    n: Int = Field(1, ge=1, le=MAX_N)
+    seed: Int | None = Field(None, **_range(minimum=0, maximum=2**32 - 1))
+    stop: str | list[str] | None = Field(None, description="strings that end generation (not empty)",
+                                         **_range(minLength=1, items={"type": "string", "minLength": 1}))
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = False
+    ignore_eos: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = False
-    user: str | None = None  # accepted and ignored, as OpenAI clients may send it
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_additive_penalty(cls, v, info):
-        if v not in (None, 0):
-            raise ValueError(f"{info.field_name} is not implemented by jaxserve; leave it at 0")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v):
-        if v not in (None, 1):
-            raise ValueError("repetition_penalty is not implemented by jaxserve; leave it at 1")
-        return v
+    user: str | None = Field(None, description="accepted; no effect")
+    request_id: str | None = Field(None, description="vLLM: the id of the response (default: generated)")
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema({"anyOf": [
+        {"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}]})] = Field(
+        None, description="keep only the last k prompt tokens; -1: as many as the context holds")
+    presence_penalty: _PresencePenalty = None
+    frequency_penalty: _FrequencyPenalty = None
+    repetition_penalty: _RepetitionPenalty = None
+    length_penalty: _LengthPenalty = None
+    logit_bias: _LogitBias = None
+    min_tokens: _MinTokens = None
+    best_of: _BestOf = None
+    use_beam_search: _UseBeamSearch = None
+    skip_special_tokens: _SkipSpecialTokens = None
+    spaces_between_special_tokens: _SkipSpecialTokens = None
+    prompt_logprobs: _PromptLogprobs = None
+    allowed_token_ids: _AllowedTokenIds = None
+    bad_words: _BadWords = None
+    logits_processors: _LogitsProcessors = None
+    response_format: _ResponseFormat = None
+    guided_json: _Guided = None
+    guided_regex: _Guided = None
+    guided_choice: _Guided = None
+    guided_grammar: _Guided = None
+    guided_decoding_backend: _Guided = None
+    guided_whitespace_pattern: _Guided = None
+    structured_outputs: _StructuredOutputs = None
+    priority: _Priority = None
+    return_tokens_as_token_ids: _ReturnTokensAsTokenIds = None
+    return_token_ids: _ReturnTokenIds = None
+    cache_salt: _CacheSalt = None
+    kv_transfer_params: _KvTransferParams = None
+    vllm_xargs: _VllmXargs = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -68,22 +211,48 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
+
+Prompt = Annotated[str | list[str] | list[Int] | list[list[Int]],
+                   Field(description="a string, a list of strings, a list of token ids or a list of token-id lists")]
+
 
 class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: Int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
     echo: bool | None = False
+    add_special_tokens: bool | None = Field(True, description="add the tokenizer's BOS to text prompts")
+    suffix: _Suffix = None
+    prompt_embeds: _PromptEmbeds = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
+class ContentPart(_Strict):
+    """A part of a message's content: only text (this server runs text-only models)."""
+
+    type: Annotated[str, AfterValidator(lambda t: _text_part(t)), WithJsonSchema({"const": "text"})]
     text: str
 
 
+def _text_part(t: str) -> str:
+    if t != "text":
+        raise ValueError(f"content part type {t!r} is not supported: jaxserve serves text-only models")
+    return t
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = Field(None, description="accepted; no effect")
+    refusal: str | None = Field(None, description="accepted; no effect")
+    tool_calls: _ToolCalls = None
+    function_call: _FunctionCall = None
+    audio: _Audio = None
 
     @property
     def text(self) -> str:
@@ -92,11 +261,39 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+
 class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = Field(None, **_range(minimum=1))
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = Field(None, **_range(minimum=0, maximum=MAX_LOGPROBS))
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = Field(False, description="add the tokenizer's BOS to the rendered chat")
+    chat_template: str | None = Field(None, description="a Jinja chat template for this request")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
+    tools: _Tools = None
+    tool_choice: _ToolChoice = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted; no effect (no tools)")
+    functions: _Tools = None
+    function_call: _FunctionCallChat = None
+    metadata: dict[str, str] | None = Field(None, description="accepted; not stored")
+    store: _Store = None
+    service_tier: _ServiceTier = None
+    safety_identifier: str | None = Field(None, description="accepted; no effect")
+    prompt_cache_key: str | None = Field(None, description="accepted; no effect")
+    modalities: _Modalities = None
+    audio: _AudioOutput = None
+    prediction: _Prediction = None
+    reasoning_effort: _ReasoningEffort = None
+    include_reasoning: bool | None = Field(None, description="accepted; no effect (no reasoning)")
+    verbosity: _Verbosity = None
+    web_search_options: _WebSearchOptions = None
+    echo: _Echo = None
+    continue_final_message: _ContinueFinalMessage = None
+    documents: _Documents = None
+    mm_processor_kwargs: _MmProcessorKwargs = None
 
 
 _SHAPES = {"prompt": "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
@@ -104,9 +301,11 @@ _SHAPES = {"prompt": "prompt must be a string, a list of strings, a list of toke
            "content": "message content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts"}
 
 
-def describe(error: ValidationError) -> tuple[str, str | None]:
+def describe(error: ValidationError, model: type[BaseModel] | None = None) -> tuple[str, str | None]:
     """One readable message and the offending parameter (dotted path) for a pydantic error."""
-    e = error.errors(include_url=False)[0]
+    errors = error.errors(include_url=False)
+    # Our own checks (value errors) say the most; in a union they sit beside the type mismatches.
+    e = next((x for x in errors if x["type"] == "value_error"), errors[0])
     loc: list[str] = []
     union = False  # pydantic tags each member of a union in the path: stop there
     for part in e["loc"]:
@@ -121,19 +320,37 @@ def describe(error: ValidationError) -> tuple[str, str | None]:
     if kind == "model_type" and not loc:
         return "the request body must be a JSON object", None
     if kind == "extra_forbidden":
-        return f"unknown field {param!r}", param
+        return f"unknown field {param!r}{_suggest(loc, model)}", param
     if kind == "missing":
         return f"field {param!r} is required", param
-    if union:
-        return _SHAPES.get(loc[-1] if loc else "", f"{param} has the wrong type"), param
     if kind == "value_error":
         return str(e.get("ctx", {}).get("error", e["msg"])), param
+    if union:
+        return _SHAPES.get(loc[-1] if loc else "", f"{param} has the wrong type"), param
     return f"{param}: {e['msg']}" if param else e["msg"], param
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "TextPart"}
+_UNION_TAGS = {"str", "int", "float", "bool", "ContentPart", "list", "dict"}
+
+
+def _suggest(loc: list[str], model: type[BaseModel] | None) -> str:
+    """', did you mean ...?' for a misspelt top-level field."""
+    if model is None or len(loc) != 1:
+        return ""
+    close = difflib.get_close_matches(loc[0], model.model_fields, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """An HTTP error answered with the OpenAI envelope."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = (
+            status, message, type_, param, code, headers)

@@ -1,63 +1,42 @@
 """The OpenAI-compatible server on a tiny Llama: a real uvicorn server on loopback, checked with the
 official `openai` client (completions, chat, streaming, n > 1, list prompts, logprobs) and httpx
-(every bad input, 401, 413, 429, disconnects, /health, /metrics, 200 concurrent requests)."""
+(every bad input, 401, 413, 429, disconnects, /health, /metrics, 200 concurrent requests).
+
+The engine core runs in a thread here (`EngineClient.in_thread`): the same loop and the same ZMQ
+channel as the engine process of `jaxserve serve`, which tests/test_server_clients.py runs for
+real. Functions run on the engine (`call`) are module-level, because calls are pickled."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import re
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxserve import Engine, EngineConfig, SamplingParams
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine_client import EngineClient
 from jaxserve.server import create_app
+from server_helpers import ServerThread, metrics, wait_idle
 
 MAX_BODY = 16 << 10
-
-
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1 (a free port) in a background thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     return Engine.from_pretrained(checkpoints("llama"), EngineConfig(
-        max_slots=16, page_size=8, num_pages=256, max_model_len=128, max_prefill_batch=4))
+        max_slots=16, page_size=8, num_pages=256, max_model_len=128))
 
 
 @pytest.fixture(scope="module")
 def loop_engine(engine):
-    loop_engine = AsyncEngine(engine).start()
-    yield loop_engine
-    loop_engine.stop()
+    client = EngineClient.in_thread(engine)
+    yield client
+    client.stop()
 
 
 @pytest.fixture(scope="module")
@@ -76,26 +55,28 @@ def model(engine):
     return engine.model_name
 
 
-def on_loop(loop_engine, fn):
-    """fn(engine) run on the engine loop thread (the only thread that may touch the engine)."""
-    return asyncio.run(loop_engine.call(fn))
+def on_loop(loop_engine, fn, *args):
+    """fn(engine, *args) run on the engine's loop (the only thread that may touch the engine)."""
+    return asyncio.run(loop_engine.call(fn, *args))
 
 
-def metrics(server) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics").text
-    return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+def _generate(engine, prompt, params):
+    return engine.generate(prompt, params)[0]
 
 
-def wait_idle(server, timeout=20.0) -> dict[str, float]:
-    """Waits until the server holds no request and no KV page; returns the metrics."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if m["jaxserve_kv_pages_used"] == 0 and m["jaxserve_num_requests_running"] == 0 \
-                and m["jaxserve_num_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"KV pages still held: {m['jaxserve_kv_pages_used']}"
-        time.sleep(0.05)
+def _set_config(engine, config):
+    engine.config = config
+
+
+_BLOCK_STARTED, _BLOCK_RELEASE = threading.Event(), threading.Event()
+
+
+def _block(engine, fn=None, *args):
+    """Holds the engine's loop until _BLOCK_RELEASE is set (the core runs in this process here)."""
+    if fn is not None:
+        fn(engine, *args)
+    _BLOCK_STARTED.set()
+    _BLOCK_RELEASE.wait(30)
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -105,8 +86,8 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 def test_completion_matches_engine_and_counts_usage(client, model, loop_engine, server):
     out = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=6, **GREEDY)
-    ref = on_loop(loop_engine, lambda e: e.generate("the quick brown fox", SamplingParams(
-        max_tokens=6, temperature=0, ignore_eos=True))[0])
+    ref = on_loop(loop_engine, _generate, "the quick brown fox", SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True))
     choice = out.choices[0]
     assert choice.finish_reason == "length" and choice.index == 0
     assert choice.text == ref.text and choice.text
@@ -273,21 +254,17 @@ def test_api_key(loop_engine, model):
 
 
 @contextlib.contextmanager
-def blocked_loop(loop_engine, fn=lambda engine: None):
-    """Holds the engine loop thread inside fn(engine) (then waiting) so that commands pile up."""
-    started, release = threading.Event(), threading.Event()
-
-    def block(engine):
-        fn(engine)
-        started.set()
-        release.wait(30)
-    thread = threading.Thread(target=on_loop, args=(loop_engine, block))
+def blocked_loop(loop_engine, *fn_and_args):
+    """Holds the engine's loop inside fn(engine, *args) (then waiting) so that commands pile up."""
+    _BLOCK_STARTED.clear()
+    _BLOCK_RELEASE.clear()
+    thread = threading.Thread(target=on_loop, args=(loop_engine, _block, *fn_and_args))
     thread.start()
-    assert started.wait(30)
+    assert _BLOCK_STARTED.wait(30)
     try:
         yield
     finally:
-        release.set()
+        _BLOCK_RELEASE.set()
         thread.join(30)
 
 
@@ -296,18 +273,18 @@ def test_full_queue_is_429_with_retry_after(server, loop_engine, engine):
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
-            with blocked_loop(loop_engine, lambda e: setattr(e, "config", config.replace(max_waiting=2))):
+            with blocked_loop(loop_engine, _set_config, config.replace(max_waiting=2)):
                 sends = [asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
                          for _ in range(5)]
                 deadline = time.monotonic() + 20
-                while loop_engine._commands.qsize() < 5:  # all five are queued behind the blocked loop
+                while len(loop_engine._subs) < 5:  # all five are queued behind the blocked loop
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
             return await asyncio.gather(*sends)
     try:
         results = asyncio.run(go())
     finally:
-        on_loop(loop_engine, lambda e: setattr(e, "config", config))
+        on_loop(loop_engine, _set_config, config)
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 200, 429, 429, 429], [r.text for r in results]
     busy = next(r for r in results if r.status_code == 429)
@@ -371,7 +348,9 @@ class _BrokenEngine:
     def has_unfinished(self):
         return self.work
 
-    def add_request(self, prompt, params, request_id=None, group=None):
+    idle = False
+
+    def add_request(self, prompt, params, request_id=None, group=None, arrival_time=None):
         self.work = True
         self.prompt = prompt
         raise ValueError("never added")  # so the payload fails first ...
@@ -391,7 +370,7 @@ def test_dead_engine_loop_makes_health_503():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             assert (await c.get("/health")).status_code == 200
             chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-            assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+            assert chat.status_code == 400 and "no tokenizer" in chat.json()["error"]["message"]
             r = await c.post("/v1/completions", json={"prompt": [1, 2]})  # ... then the loop steps and dies
             assert r.status_code == 400
             for _ in range(100):

@@ -1,0 +1,299 @@
+"""One HTTP payload: prompts x n engine requests, answered as one JSON body or as an SSE stream.
+
+    token-id prompts ─► EngineClient.submit (400 / 429 / 503 before any byte is sent)
+    ◄── a list of Deltas per engine step ─► detokenize here (the API process), apply stop strings
+    ─► JSON: one body once every choice has finished
+    ─► SSE: one write per step holding every choice's new chunk (usage in each chunk with
+       `continuous_usage_stats`), a usage chunk with `include_usage`, then `data: [DONE]`
+
+Whatever ends the response (the last token, a disconnect, a failed send), requests still running
+are aborted, so their KV pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from jaxserve.batching import SamplingParams
+from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
+from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
+from jaxserve.tokenizer import IncrementalDetokenizer
+
+
+class Choice:
+    """Detokenized output of one engine request, with stop strings applied like the engine does."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...], include_stop: bool, logprobs: bool):
+        self.tokenizer, self.stop, self.include_stop, self.want_logprobs = tokenizer, stop, include_stop, logprobs
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.num_prompt_tokens = len(prompt_ids)
+        self.context = prompt_ids[-4:]  # last few ids, for the text of alternative tokens
+        self.text = ""  # all generated text (before stop strings are cut)
+        self.num_tokens = 0
+        self.pieces: list[str] = []  # per-token text, for logprobs
+        self.offsets: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.tops: list[list[tuple[str, float]]] = []
+        self.finish_reason: str | None = None
+        self.emitted = 0  # characters of output text already streamed
+        self.emitted_tokens = 0
+
+    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None) -> None:
+        if not self.want_logprobs:  # the common case: one decode for the whole step
+            if self.detok is not None and token_ids:
+                self.text += self.detok.add(token_ids)
+        else:
+            for i, token in enumerate(token_ids):
+                piece = self.detok.add([token]) if self.detok else ""
+                lp = logprobs[i] if logprobs else {"logprob": None, "top": []}
+                self.offsets.append(len(self.text))
+                self.pieces.append(piece if self.detok else f"token_id:{token}")
+                self.logprobs.append(lp["logprob"])
+                base = self.tokenizer.decode(self.context) if self.tokenizer else ""
+                self.tops.append([(self._token_text(base, t), v) for t, v in lp["top"]])
+                self.context = (self.context + [token])[-4:]
+                self.text += piece
+        self.num_tokens += len(token_ids)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+
+    def _token_text(self, base: str, token: int) -> str:
+        """The text `token` adds after the recent context (whose text is `base`)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode(self.context + [token])[len(base):]
+
+    @property
+    def final_text(self) -> str:
+        hits = [(i, s) for i, s in ((self.text.find(s), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return self.text
+        i, s = min(hits)
+        return self.text[: i + len(s)] if self.include_stop else self.text[:i]
+
+    def new_text(self) -> str:
+        """Text not yet streamed that is safe to send (a possible stop-string start is held back)."""
+        text = self.final_text
+        if self.finish_reason is None and self.stop:
+            text = text[: len(text) - (max(map(len, self.stop)) - 1)]
+        new = text[self.emitted:]
+        self.emitted = max(self.emitted, len(text))
+        return new
+
+    def completion_logprobs(self, start: int, end: int, base: int = 0) -> dict:
+        return {"tokens": self.pieces[start:end], "token_logprobs": self.logprobs[start:end],
+                "top_logprobs": [_first_of_each(top) for top in self.tops[start:end]],
+                "text_offset": [base + o for o in self.offsets[start:end]]}
+
+    def chat_logprobs(self, start: int, end: int) -> dict:
+        def entry(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**entry(self.pieces[i], self.logprobs[i]),
+                             "top_logprobs": [entry(t, v) for t, v in self.tops[i]]} for i in range(start, end)]}
+
+
+@dataclasses.dataclass
+class Payload:
+    """What one HTTP request asks for, once parsed and tokenized."""
+
+    prompts: list[list[int]]  # token ids
+    params: SamplingParams
+    n: int
+    echo: list[str]  # text to put before each prompt's choices ("" for none)
+    chat: bool
+    logprobs: bool
+    include_stop: bool = False
+    request_id: str | None = None
+
+
+class Job:
+    """Submits a payload, then answers it as JSON or SSE."""
+
+    def __init__(self, client: EngineClient, http_request: Request, model: str, payload: Payload, tokenizer,
+                 arrival: float):
+        p = payload
+        if len(p.prompts) * p.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(p.prompts)} prompts x n={p.n} exceeds {MAX_CHOICES} choices per request",
+                           param="n")
+        self.client, self.http_request, self.model, self.payload, self.arrival = (
+            client, http_request, model, p, arrival)
+        self.id = p.request_id or f"{'chatcmpl' if p.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        prompts = [q for q in p.prompts for _ in range(p.n)]
+        params = p.params
+        self.params = [params if params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**32)
+                       for _ in p.prompts for j in range(p.n)]
+        self.prompts = prompts
+        self.echo = [e for e in p.echo for _ in range(p.n)]
+        self.choices = [Choice(tokenizer, q, params.stop, p.include_stop, p.logprobs) for q in prompts]
+        self.ids: list[str] = []
+        self.queue: asyncio.Queue | None = None
+
+    async def respond(self, stream: bool, include_usage: bool, continuous_usage: bool, headers: dict | None = None):
+        try:
+            self.ids, self.queue = await self.client.submit(self.prompts, self.params, f"{self.id}-{uuid.uuid4().hex[:8]}",
+                                                            self.arrival)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param_of(str(e)))
+        except QueueFullError as e:
+            raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "server_error")
+        if stream:
+            return _Stream(self._events(include_usage, continuous_usage), lambda: self.client.abort(self._unfinished()),
+                           media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
+        body = await self._collect()
+        return body if isinstance(body, Response) else _json(body, headers)
+
+    def _unfinished(self) -> list[str]:
+        return [i for i, c in zip(self.ids, self.choices) if c.finish_reason is None]
+
+    def _apply(self, deltas) -> set[int]:
+        touched = set()
+        for d in deltas:
+            c = self.choices[d.index]
+            if c.num_tokens == 0 and d.token_ids:
+                self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
+            c.add(d.token_ids, d.logprobs, d.finish_reason)
+            touched.add(d.index)
+        return touched
+
+    async def _collect(self):
+        gone = asyncio.ensure_future(_disconnected(self.http_request))
+        try:
+            while self._unfinished():
+                get = asyncio.ensure_future(self.queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    return Response(status_code=499)  # nobody is listening any more
+                self._apply(get.result())
+        finally:
+            gone.cancel()
+            self.client.abort(self._unfinished())
+        if any(c.finish_reason == "error" for c in self.choices):
+            raise ApiError(500, "the engine failed while generating this request", "server_error")
+        out = []
+        for i, c in enumerate(self.choices):
+            if self.payload.chat:
+                out.append({"index": i, "message": {"role": "assistant", "content": c.final_text},
+                            "logprobs": c.chat_logprobs(0, c.num_tokens) if self.payload.logprobs else None,
+                            "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": i, "text": self.echo[i] + c.final_text, "finish_reason": c.finish_reason,
+                            "logprobs": c.completion_logprobs(0, c.num_tokens) if self.payload.logprobs else None})
+        return {"id": self.id, "object": "chat.completion" if self.payload.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out, "usage": self._usage()}
+
+    def _usage(self) -> dict:
+        prompt = sum(c.num_prompt_tokens for c in self.choices[:: self.payload.n])
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _chunk(self, choices: list[dict], usage: dict | None, with_usage: bool) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.payload.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def _choice_chunk(self, index: int) -> dict | None:
+        c = self.choices[index]
+        text, start, end = c.new_text(), c.emitted_tokens, c.num_tokens
+        c.emitted_tokens = end
+        if not text and start == end and c.finish_reason is None:
+            return None
+        if self.payload.chat:
+            logprobs = c.chat_logprobs(start, end) if self.payload.logprobs else None
+            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason}
+        logprobs = c.completion_logprobs(start, end, len(self.echo[index])) if self.payload.logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    async def _events(self, include_usage: bool, continuous: bool):
+        try:
+            first, usage = [], self._usage() if continuous else None
+            for i, echo in enumerate(self.echo):
+                if self.payload.chat:
+                    first.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}], usage, include_usage))
+                elif echo:
+                    first.append(self._chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}],
+                                             usage, include_usage))
+            if first:
+                yield "".join(first)
+            while self._unfinished():
+                touched = self._apply(await self.queue.get())
+                while not self.queue.empty():  # behind by more than one step: catch up in one write
+                    touched |= self._apply(self.queue.get_nowait())
+                events = []
+                for index in sorted(touched):
+                    if self.choices[index].finish_reason == "error":
+                        events.append(f"data: {json.dumps(error_body('the engine failed while generating', 'server_error'))}\n\n")
+                        continue
+                    choice = self._choice_chunk(index)
+                    if choice is not None:
+                        events.append(self._chunk([choice], self._usage() if continuous else None, include_usage))
+                if events:
+                    yield "".join(events)
+            tail = self._chunk([], self._usage(), True) if include_usage else ""
+            yield tail + "data: [DONE]\n\n"
+        finally:
+            self.client.abort(self._unfinished())
+
+
+class _Stream(StreamingResponse):
+    """Closes the event generator however the response ends, so a vanished client's requests
+    are aborted even where the ASGI server reports the disconnect through a failed send."""
+
+    def __init__(self, events, cleanup, **kwargs):
+        super().__init__(events, **kwargs)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.cleanup()
+
+
+def _json(body: dict, headers: dict | None) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json", headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _first_of_each(top: list[tuple[str, float]]) -> dict[str, float]:
+    """{text: logprob}, best first; tokens that print the same text keep the likeliest one."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
+
+
+_PARAMS = {"prompt", "max_tokens", "stop", "stop_token_ids", "seed", "temperature", "top_p", "top_k", "min_p",
+           "logprobs"}
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine or SamplingParams ValueError names (its messages start with it)."""
+    words = message.replace(":", " ").split()
+    if len(words) > 1 and words[0] == "prompt" and words[1].isdigit():  # "prompt 2: ..." of a list
+        words = words[2:]
+    first = words[0] if words else ""
+    return first if first in _PARAMS else "prompt" if "prompt" in message else None

@@ -1,0 +1,76 @@
+"""Command-line options -> EngineConfig, in one place for `jaxserve generate`, `jaxserve serve` and
+the scripts.
+
+Each option is one row of `_OPTIONS`: its flag, the EngineConfig field it sets and how to parse
+it. An option left out on the command line is left out of the config too, so EngineConfig's own
+default applies; a new EngineConfig field needs one new row here and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable
+
+from jaxserve.config import BACKENDS, DTYPES, EngineConfig
+from jaxserve.batching.policies import STRATEGIES
+
+
+def _mesh(text: str) -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh must look like data=2,model=4, got {text!r}") from None
+
+
+def _mib(text: str) -> int:
+    return int(text) << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    flag: str
+    field: str  # the EngineConfig field it sets
+    help: str
+    type: Callable[[str], Any] | None = int
+    choices: tuple | None = None
+
+
+_OPTIONS = (
+    _Option("--strategy", "strategy", "batching strategy", str, STRATEGIES),
+    _Option("--max-slots", "max_slots", "sequences decoded together"),
+    _Option("--page-size", "page_size", "tokens per KV page"),
+    _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)"),
+    _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB", _mib),
+    _Option("--max-model-len", "max_model_len", "context length (default: the model's, capped at 2048)"),
+    _Option("--dtype", "dtype", "weights and activations", str, DTYPES),
+    _Option("--attention-backend", "attention_backend", "attention implementation", str, BACKENDS),
+    _Option("--batch-size", "batch_size", "dynamic batching: requests per batch"),
+    _Option("--max-batch-delay-ms", "max_batch_delay_ms", "dynamic batching: wait for a batch to fill", float),
+    _Option("--max-waiting", "max_waiting", "bound of the waiting queue (the server answers 429 past it)"),
+    _Option("--seed", "seed", "seed of the per-request seeds drawn when a request has none"),
+    _Option("--mesh", "mesh", "device mesh, e.g. data=2,model=4", _mesh),
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """Adds `--model` and one option per EngineConfig field that a user may set; `defaults`
+    (by field name) replace EngineConfig's defaults for this command."""
+    parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or Orbax checkpoint "
+                                                      "(default: Gemma 3 270M)")
+    config = EngineConfig()
+    for o in _OPTIONS:
+        if o.field not in EngineConfig.__dataclass_fields__:
+            continue  # a field the engine no longer has
+        default = defaults.get(o.field, getattr(config, o.field))
+        shown = f"{default >> 20} MiB" if o.field == "kv_cache_bytes" else default
+        parser.add_argument(o.flag, dest=o.field, type=o.type, choices=o.choices, default=defaults.get(o.field),
+                            help=o.help if default is None else f"{o.help} (default: {shown})")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig of parsed arguments: given options, then `overrides`, over the defaults.
+    Raises ValueError for values EngineConfig refuses."""
+    given = {o.field: getattr(args, o.field) for o in _OPTIONS
+             if getattr(args, o.field, None) is not None}
+    return EngineConfig(**{**given, **overrides})

@@ -1,0 +1,312 @@
+"""The API process's handle on the engine core (jaxserve/engine_core.py), for asyncio handlers.
+
+    handler ── submit(token ids, params) ──► commands socket ──► engine core (its own process)
+    handler ◄── asyncio.Queue: one list of Deltas per step ◄── receiver thread ◄── outputs socket
+
+`EngineClient.spawn(factory)` starts the core in a new process (spawned, never forked, so jax
+starts fresh there); `EngineClient.in_thread(engine)` runs the same loop in a thread over an
+engine already built (tests, stand-in engines). One receiver thread reads the core's one message
+per step and hands each subscriber's deltas to its event loop in one wake-up per step; it also
+updates the metrics and notices when the core dies, which ends every request with `error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from jaxserve import engine_core
+from jaxserve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has stopped; nothing more can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at its bound; retry later."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """New output of one request in one step; the last one has a finish_reason."""
+
+    index: int  # the request's position in its submit() call
+    token_ids: list[int]
+    logprobs: list[dict] | None  # {"logprob": float, "top": [(token_id, logprob), ...]} per token
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Subscriber:
+    index: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # receives list[Delta], one list per step
+
+
+class EngineClient:
+    """Submits, aborts and calls from asyncio code on any event loop; thread-safe."""
+
+    def __init__(self, metrics: Metrics | None = None):
+        self.metrics = metrics or Metrics()
+        self.info: engine_core.EngineInfo | None = None
+        self.error: str | None = None  # why the core died, if it did
+        self._dir = tempfile.mkdtemp(prefix="jaxserve-")
+        self._addrs = (f"ipc://{self._dir}/commands", f"ipc://{self._dir}/outputs")
+        self._context = zmq.Context()
+        self._commands = self._context.socket(zmq.PUSH)
+        self._outputs = self._context.socket(zmq.PULL)
+        for sock, addr in zip((self._commands, self._outputs), self._addrs):
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop nor block: the 429 bound limits the queue
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.bind(addr)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _subs and _pending
+        self._subs: dict[str, _Subscriber] = {}
+        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._keys = itertools.count()
+        self._core_alive: Callable[[], bool] = lambda: False
+        self._join: Callable[[float], None] = lambda timeout: None
+        self._receiver: threading.Thread | None = None
+        self._closing = False
+        self._stopping = False  # stop() asked the core to end: its end is no death
+
+    # ---- starting and stopping ----
+
+    @classmethod
+    def spawn(cls, factory: Callable[[], Any], metrics: Metrics | None = None,
+              timeout: float | None = None) -> "EngineClient":
+        """Starts the engine core in a new process that builds its engine with `factory()`
+        (picklable, e.g. engine_core.EngineFactory); returns once the engine is ready."""
+        client = cls(metrics)
+        process = multiprocessing.get_context("spawn").Process(
+            target=engine_core.run_process, name="jaxserve-engine", daemon=True,
+            args=(factory, *client._addrs, logging.getLogger().getEffectiveLevel(), os.getpid()))
+        process.start()
+        client._core_alive = process.is_alive
+        client._join = process.join
+        client._start(timeout, lambda: f"the engine process exited with code {process.exitcode}")
+        return client
+
+    @classmethod
+    def in_thread(cls, engine, metrics: Metrics | None = None) -> "EngineClient":
+        """Runs the engine core's loop over `engine` in a thread of this process."""
+        client = cls(metrics)
+
+        def run():
+            commands, outputs = engine_core.connect(client._context, *client._addrs)
+            try:
+                engine_core.serve(engine, commands, outputs)
+            finally:
+                commands.close(linger=0)
+                outputs.close(linger=1000)
+        thread = threading.Thread(target=run, name="jaxserve-engine", daemon=True)
+        thread.start()
+        client._core_alive = thread.is_alive
+        client._join = thread.join
+        client._start(None, lambda: "the engine thread ended")
+        return client
+
+    def _start(self, timeout: float | None, exit_reason: Callable[[], str]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._outputs.poll(200):
+            if not self._core_alive():
+                self.close()
+                raise RuntimeError(f"the engine did not start: {exit_reason()}")
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the engine did not start within {timeout} s")
+        kind, payload = pickle.loads(self._outputs.recv())
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"the engine did not start: {payload}")
+        self.info = payload
+        self._exit_reason = exit_reason
+        self._receiver = threading.Thread(target=self._receive, name="jaxserve-receiver", daemon=True)
+        self._receiver.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts every request, ends the core and closes the channel."""
+        if self._core_alive():
+            self._stopping = True
+            self._send(("stop",))
+            self._join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join(5)
+        self._die(self.error or "the engine was stopped", reason="abort")
+        self._commands.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.info is not None and self.error is None and not self._closing and self._core_alive()
+
+    # ---- asyncio side ----
+
+    async def submit(self, prompts: Sequence[list[int]], params: Sequence, prefix: str,
+                     arrival_time: float | None = None) -> tuple[list[str], asyncio.Queue]:
+        """Queues token-id prompts as one payload (all or none); returns their request ids and the
+        queue that receives their Deltas, a list per step. Raises ValueError (bad input),
+        QueueFullError or EngineDeadError."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        key, future = self._expect(loop)
+        with self._lock:
+            for index, request_id in enumerate(ids):
+                self._subs[request_id] = _Subscriber(index, loop, deltas)
+        self._send(("add", key, ids, [list(p) for p in prompts], list(params), arrival_time or time.monotonic()))
+        try:
+            error = await future
+        except BaseException:  # cancelled, or the core died: forget (and abort) whatever was added
+            self._forget(ids)
+            self.abort(ids)
+            raise
+        if error is not None:
+            self._forget(ids)
+            kind, message = error
+            raise (ValueError if kind == "invalid" else QueueFullError if kind == "busy" else RuntimeError)(message)
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        return ids, deltas
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Ends requests with `abort` and frees their pages; unknown or finished ids are ignored.
+        Thread-safe and non-blocking."""
+        if request_ids and self.alive:
+            self._send(("abort", list(request_ids)))
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Runs fn(engine, *args) on the engine's loop and returns its result; fn and args must
+        pickle (a module-level function)."""
+        self._check_alive()
+        key, future = self._expect(asyncio.get_running_loop())
+        self._send(("call", key, fn, args))
+        return await future
+
+    def _expect(self, loop) -> tuple[str, asyncio.Future]:
+        key, future = str(next(self._keys)), loop.create_future()
+        with self._lock:
+            self._pending[key] = (loop, future)
+        return key, future
+
+    def _forget(self, ids: list[str]) -> None:
+        with self._lock:
+            for request_id in ids:
+                self._subs.pop(request_id, None)
+
+    def _send(self, command: tuple) -> None:
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._commands.send(data, zmq.NOBLOCK)
+        except (zmq.Again, zmq.ContextTerminated, zmq.ZMQError) as e:
+            raise EngineDeadError(f"the engine cannot be reached ({e})") from None
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self.error})" if self.error
+                                  else "the engine is not running")
+
+    # ---- receiver thread ----
+
+    def _receive(self) -> None:
+        while not self._closing:
+            try:
+                ready = self._outputs.poll(500)
+                if ready:
+                    message = pickle.loads(self._outputs.recv())
+            except zmq.ZMQError:
+                return
+            if not ready:
+                if not self._core_alive():
+                    if not self._stopping:
+                        self._die(self._exit_reason())
+                    return
+                continue
+            if message[0] == "batch":
+                self._on_batch(*message[1:])
+            elif message[0] == "dead":
+                self._die(message[1])
+                return
+
+    def _on_batch(self, replies: list[tuple], outputs: list[tuple], stats: dict | None) -> None:
+        with self._lock:
+            answers = [(self._pending.pop(r[1], (None, None)), r) for r in replies]
+        for (loop, future), reply in answers:
+            if future is not None:
+                _safe_call(loop, _resolve, future, reply[2], None if reply[0] == "added" else reply[3])
+        if outputs:
+            by_loop: dict[asyncio.AbstractEventLoop, dict[asyncio.Queue, list[Delta]]] = {}
+            with self._lock:
+                for request_id, tokens, logprobs, finish, timings in outputs:
+                    self.metrics.generation_tokens.inc(len(tokens))
+                    if finish is not None:
+                        self.metrics.observe_finished(finish, timings)
+                        sub = self._subs.pop(request_id, None)
+                    else:
+                        sub = self._subs.get(request_id)
+                    if sub is not None:  # else its client has gone
+                        queues = by_loop.setdefault(sub.loop, {})
+                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish))
+            for loop, queues in by_loop.items():
+                _safe_call(loop, _deliver, queues)
+        if stats is not None:
+            self.metrics.observe_engine(stats)
+
+    def _die(self, why: str, reason: str = "error") -> None:
+        """Ends every subscribed request with `reason` and fails every pending command."""
+        if self.error is None and reason == "error":
+            log.error("the engine died: %s", why)
+            self.error = why
+        with self._lock:
+            subs, self._subs = self._subs, {}
+            pending, self._pending = self._pending, {}
+        by_loop: dict = {}
+        for sub in subs.values():
+            by_loop.setdefault(sub.loop, {}).setdefault(sub.queue, []).append(Delta(sub.index, [], None, reason))
+        for loop, queues in by_loop.items():
+            _safe_call(loop, _deliver, queues)
+        for loop, future in pending.values():
+            _safe_call(loop, _resolve, future, None, EngineDeadError(f"the engine stopped ({why})"))
+
+
+def _resolve(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _deliver(queues: dict[asyncio.Queue, list[Delta]]) -> None:
+    for q, deltas in queues.items():
+        q.put_nowait(deltas)
+
+
+def _safe_call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed
+        pass

@@ -1,0 +1,250 @@
+"""The engine core: the one loop that owns an Engine, in a process of its own (or a thread, in tests).
+
+    API process ──commands (PUSH)──► core: drain every queued command: add / abort / call / stop
+                                      ──► one message of replies (payload accepted or refused, call results)
+                                      ──► engine.step()
+                ◄──outputs (PUSH)──── one message per step: each request's new token ids (and
+                                      logprobs), its finish reason and timings once done; engine stats
+
+The core does nothing but schedule and step: prompts arrive as token ids, and token ids go back;
+text is encoded and decoded in the API process, so neither tokenizer work nor HTTP handling takes
+the engine's time or its GIL. Messages are pickled tuples over ZMQ sockets on local IPC paths;
+one message per step keeps the per-token cost out of the channel. Finished requests are released
+from the engine as soon as their last output is sent, so nothing is kept. `call` runs any picklable
+`fn(engine, *args)` on the loop and sends its result back: stats, tests, and later a JSON snapshot
+of the engine's state for a dashboard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+from typing import Any, Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+_FILL_WAIT_S = 0.001  # a dynamic batch is filling: wait this long for commands instead of spinning
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFactory:
+    """What the engine process builds: `Engine.from_pretrained(model, config)`. Picklable, so the
+    engine is built in the new process rather than forked from one that already started jax."""
+
+    model: str | None = None
+    config: Any = None  # EngineConfig
+
+    def __call__(self):
+        from jaxserve.engine import Engine
+        return Engine.from_pretrained(self.model, self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the API process needs to know about the engine, sent once at start-up."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any  # jaxserve.tokenizer.Tokenizer (pickles as its JSON) or None
+    chat_template_source: str | None  # "model", "builtin:gemma3" or None (no template)
+    config: Any  # EngineConfig
+    vocab_size: int | None = None  # of the model: token ids must be below it
+
+
+def engine_info(engine) -> EngineInfo:
+    tokenizer = getattr(engine, "tokenizer", None)
+    template = getattr(tokenizer, "chat_template", None)
+    source = None
+    if template:
+        try:
+            from jaxserve.model.loader import GEMMA3_CHAT_TEMPLATE
+        except ImportError:  # a stand-in engine without the model package
+            GEMMA3_CHAT_TEMPLATE = None
+        source = "builtin:gemma3" if template == GEMMA3_CHAT_TEMPLATE else "model"
+    vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
+    return EngineInfo(getattr(engine, "model_name", "model"), engine.max_model_len, tokenizer, source,
+                      getattr(engine, "config", None), vocab)
+
+
+def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: str, log_level: int,
+                parent_pid: int) -> None:
+    """Entry point of the engine process: build the engine, then serve until told to stop (or
+    until the API process is gone)."""
+    from jaxserve.host_memory import keep_freed_memory
+    keep_freed_memory()  # before the ZMQ and XLA threads start, as the engine wants it
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    commands, outputs = connect(context, commands_addr, outputs_addr)
+    try:
+        engine = factory()
+    except BaseException as e:  # noqa: BLE001 — reported to the API process, which exits with it
+        log.exception("could not build the engine")
+        outputs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
+        outputs.close(linger=5000)
+        return
+    try:
+        serve(engine, commands, outputs, orphaned=lambda: os.getppid() != parent_pid)
+    finally:
+        commands.close(linger=0)
+        outputs.close(linger=5000)  # let the last message out
+        context.term()
+
+
+def connect(context: zmq.Context, commands_addr: str, outputs_addr: str) -> tuple[zmq.Socket, zmq.Socket]:
+    commands = context.socket(zmq.PULL)
+    commands.connect(commands_addr)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(outputs_addr)
+    return commands, outputs
+
+
+def serve(engine, commands: zmq.Socket, outputs: zmq.Socket, orphaned: Callable[[], bool] = lambda: False) -> None:
+    """The loop: announce the engine, then drain commands, step and publish until `stop`."""
+    core = _Core(engine, outputs, orphaned)
+    outputs.send(pickle.dumps(("ready", engine_info(engine))))
+    try:
+        core.loop(commands)
+    except BaseException as e:  # noqa: BLE001 — report any death, then end
+        log.exception("the engine loop died")
+        outputs.send(pickle.dumps(("dead", f"{type(e).__name__}: {e}")))
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    request: Any  # the engine's Request
+    sent: int = 0  # output tokens already published
+
+
+class _Core:
+    def __init__(self, engine, outputs: zmq.Socket, orphaned: Callable[[], bool]):
+        self.engine, self.outputs, self.orphaned = engine, outputs, orphaned
+        self.live: dict[str, _Live] = {}
+        self.stopping = False
+        self.groups = 10**9  # one group per payload (static batching)
+
+    def loop(self, commands: zmq.Socket) -> None:
+        engine = self.engine
+        fill_wait = False  # the last step ran nothing while requests waited (a batch is filling)
+        while not self.stopping:
+            if engine.has_unfinished():
+                commands_now = _receive(commands, _FILL_WAIT_S if fill_wait else 0)
+            else:  # nothing to do: wait for a command, looking up once a second
+                commands_now = _receive(commands, 1.0)
+                if not commands_now:
+                    if self.orphaned():
+                        log.warning("the API process is gone: the engine stops")
+                        return
+                    continue
+            replies = self.handle(commands_now)
+            if replies:
+                self._send(("batch", replies, [], None))
+            if self.stopping:
+                break
+            if engine.has_unfinished():
+                engine.step()
+                fill_wait = engine.idle and engine.stats().get("waiting", 0) > 0
+            self._send(("batch", [], self.collect(), engine.stats()))
+        self.abort_all()
+
+    def handle(self, commands: list[tuple]) -> list[tuple]:
+        replies = []
+        for command in commands:
+            kind = command[0]
+            if kind == "add":
+                replies.append(self.add(*command[1:]))
+            elif kind == "abort":
+                for request_id in command[1]:
+                    if request_id in self.live:
+                        self.engine.abort(request_id)
+            elif kind == "call":
+                _, key, fn, args = command
+                try:
+                    replies.append(("reply", key, fn(self.engine, *args), None))
+                except Exception as e:  # noqa: BLE001 — returned to the caller
+                    replies.append(("reply", key, None, _picklable(e)))
+            elif kind == "stop":
+                self.stopping = True
+        return replies
+
+    def add(self, key: str, ids: list[str], prompts: list[list[int]], params: list, arrival: float) -> tuple:
+        """Adds a payload's prompts as one group, all or none."""
+        from jaxserve.engine import QueueFullError
+        engine = self.engine
+        self.groups += 1
+        added = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(prompt, p, request_id=request_id, group=self.groups, arrival_time=arrival)
+                added.append(request_id)
+        except Exception as e:  # noqa: BLE001 — ValueError, QueueFullError, ...: undo the payload
+            for request_id in added:
+                engine.abort(request_id)
+                engine.release(request_id)
+            kind = "invalid" if isinstance(e, ValueError) else "busy" if isinstance(e, QueueFullError) else "error"
+            message = f"prompt {len(added)}: {e}" if len(prompts) > 1 and kind == "invalid" else str(e)
+            return ("added", key, (kind, message))
+        for request_id in ids:
+            self.live[request_id] = _Live(engine.request(request_id))
+        return ("added", key, None)
+
+    def collect(self) -> list[tuple]:
+        """(request id, new token ids, their logprobs or None, finish reason or None, timings or
+        None) of every request with news; finished requests are released."""
+        out = []
+        for request_id, live in list(self.live.items()):
+            r = live.request
+            n = len(r.output_token_ids)
+            if n == live.sent and not r.finished:
+                continue
+            logprobs = r.logprobs[live.sent: n] if r.params.logprobs is not None else None
+            finish = r.finish_reason.value if r.finished else None
+            out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish,
+                        _timings(r) if r.finished else None))
+            live.sent = n
+            if r.finished:
+                del self.live[request_id]
+                self.engine.release(request_id)
+        return out
+
+    def abort_all(self) -> None:
+        """On stop: every request still served ends with `abort`, and the clients hear of it."""
+        for request_id in self.live:
+            self.engine.abort(request_id)
+        self._send(("batch", [], self.collect(), self.engine.stats()))
+
+    def _send(self, message) -> None:
+        self.outputs.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(sock: zmq.Socket, timeout: float) -> list[tuple]:
+    """Every command already queued, after waiting up to `timeout` seconds for one."""
+    if timeout and not sock.poll(max(1, int(timeout * 1000))):
+        return []
+    commands = []
+    while True:
+        try:
+            commands.append(pickle.loads(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return commands
+
+
+def _timings(r) -> dict[str, float | None]:
+    """Seconds from arrival (time.monotonic, the same clock in every process) for the metrics."""
+    def since(t):
+        return None if t is None else t - r.arrival_time
+    first, finish = getattr(r, "first_token_time", None), getattr(r, "finish_time", None)
+    n = len(r.output_token_ids)
+    return {"queue": since(getattr(r, "admit_time", None)), "ttft": since(first), "e2e": since(finish),
+            "tpot": (finish - first) / (n - 1) if n > 1 and first is not None and finish is not None else None}
+
+
+def _picklable(e: Exception) -> Exception:
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")

@@ -1,0 +1,320 @@
+"""The same closed-loop workload through the Python API and through HTTP, with their ratio.
+
+A closed loop keeps --concurrency requests in flight: each time one finishes, the next starts.
+Every request has a --prompt-tokens prompt (random words cut to that many tokens, BOS included)
+and generates exactly --output-tokens tokens (greedy, ignore_eos). Both runs use the same engine
+options and the same prompts, after a warm-up of --warmup requests each; with --rounds N they
+alternate N times (both engines stay loaded), so a change in the machine's load hits both alike:
+
+  in-process: Engine.from_pretrained(...) in this process, add_request / step;
+  HTTP:       `jaxserve serve` (API process + engine process) on loopback, streaming completions
+              read by an asyncio httpx client here (or a server already running: --url).
+
+TTFT is measured from submission to the first generated token (in-process: seen after a step;
+HTTP: the first chunk, which the server sends for the first step that made a token), ITL as (last token - first token) / (tokens - 1), and output
+tok/s over the measured phase. The server's own figures (from /metrics) split the HTTP TTFT: from
+the request's arrival in the API process to its first token's sampling in the engine, to that
+token reaching its HTTP handler (the rest of the engine step, the channel), and the rest outside.
+
+    python scripts/bench_serving.py --max-slots 32                       # Gemma 3 270M
+    python scripts/bench_serving.py --model tiny-ckpt --mode http --url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "government company number group problem fact river mountain engine paper window garden music light "
+         "stone water market letter story history morning evening city country table system program question "
+         "school family student street night money power house side area line result book word").split()
+
+
+def make_prompts(tokenizer, count: int, num_tokens: int, seed: int) -> list[str]:
+    """`count` texts of exactly `num_tokens` tokens each (as the engine encodes them)."""
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < count:
+        ids = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(num_tokens * 2)))
+        text = tokenizer.decode(ids[:num_tokens])
+        if len(tokenizer.encode(text)) == num_tokens:
+            prompts.append(text)
+    return prompts
+
+
+def summarize(name: str, ttft: list[float], itl: list[float], tokens: int, elapsed: float) -> dict:
+    out = {"mode": name, "ttft": ttft, "itl": itl, "requests": len(ttft), "output_tokens": tokens, "elapsed_s": elapsed,
+           "output_tok_s": tokens / elapsed, "ttft_mean_s": statistics.mean(ttft),
+           "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
+           "itl_mean_ms": 1000 * statistics.mean(itl)}
+    print(f"{name:>10}: {out['requests']} requests, {tokens} tokens in {elapsed:.1f} s: "
+          f"{out['output_tok_s']:.1f} output tok/s; TTFT mean {out['ttft_mean_s']:.3f} s "
+          f"(p50 {out['ttft_p50_s']:.3f}, p99 {out['ttft_p99_s']:.3f}); ITL mean {out['itl_mean_ms']:.1f} ms; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    return out
+
+
+# ---- in-process ----
+
+def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
+    from jaxserve import SamplingParams
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+
+    def closed_loop(todo: list[str]):
+        queue = list(todo)
+        live: dict[str, list] = {}  # id -> [submit time, first token time]
+        ttft, itl, tokens = [], [], 0
+        start = time.perf_counter()
+        while queue or live:
+            while queue and len(live) < args.concurrency:
+                live[engine.add_request(queue.pop(0), params)] = [time.perf_counter(), None]
+            engine.step()
+            now = time.perf_counter()
+            for request_id, times in list(live.items()):
+                r = engine.request(request_id)
+                if times[1] is None and r.output_token_ids:
+                    times[1] = now
+                if r.finished:
+                    n = len(r.output_token_ids)
+                    ttft.append(times[1] - times[0])
+                    itl.append((now - times[1]) / max(1, n - 1))
+                    tokens += n
+                    engine.release(request_id)
+                    del live[request_id]
+        return ttft, itl, tokens, time.perf_counter() - start
+
+    if warm:
+        closed_loop(prompts[: args.warmup])
+    compiles, cpu = engine.stats()["num_compiles"], _cpu_s(os.getpid())
+    out = summarize("in-process", *closed_loop(prompts[args.warmup:]))
+    out["compiles_measured"] = engine.stats()["num_compiles"] - compiles
+    out["cpu_s"] = {"engine (this process)": _cpu_s(os.getpid()) - cpu}
+    _print_cpu(out)
+    return out
+
+
+# ---- HTTP ----
+
+async def http_closed_loop(url: str, model: str, prompts: list[str], args):
+    ttft, itl, tokens = [], [], 0
+    todo = iter(prompts)
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        async def one(prompt: str):
+            nonlocal tokens
+            body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            start, first, n = time.perf_counter(), None, 0
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and chunk["choices"]:  # a chunk per step that made tokens
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            ttft.append(first - start)
+            itl.append((end - first) / max(1, n - 1))
+            tokens += n
+
+        async def worker():
+            for prompt in todo:
+                await one(prompt)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        return ttft, itl, tokens, time.perf_counter() - start
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {k: float(v) for k, v in re.findall(r"^(jaxserve_\S+) (\S+)$", text, re.M)}
+
+
+def run_http(url: str, prompts: list[str], args, warm: bool, server_pid: int | None) -> dict:
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    if warm:
+        asyncio.run(http_closed_loop(url, model, prompts[: args.warmup], args))
+    before, cpu, client_cpu = server_metrics(url), _server_cpu_s(server_pid), _cpu_s(os.getpid())
+    out = summarize("HTTP", *asyncio.run(http_closed_loop(url, model, prompts[args.warmup:], args)))
+    after = server_metrics(url)
+    out["cpu_s"] = {k: v - cpu.get(k, 0.0) for k, v in _server_cpu_s(server_pid).items()}
+    out["cpu_s"]["client (this process)"] = _cpu_s(os.getpid()) - client_cpu
+    _print_cpu(out)
+    diff = {k: v - before.get(k, 0) for k, v in after.items()}
+    out["compiles_measured"] = diff.get("jaxserve_num_compiles_total")
+    def mean(name):
+        count = diff.get(f"jaxserve_{name}_count")
+        return diff[f"jaxserve_{name}_sum"] / count if count else None
+    out["engine_ttft_mean_s"] = mean("time_to_first_token_seconds")
+    out["api_ttft_mean_s"] = mean("api_time_to_first_token_seconds")
+    if out["engine_ttft_mean_s"] is not None and out["api_ttft_mean_s"] is not None:
+        print(f"{'':>10}  TTFT mean, from the request's arrival in the API process: {out['engine_ttft_mean_s']:.3f} s "
+              f"to the token's sampling in the engine, {out['api_ttft_mean_s']:.3f} s to its handler; "
+              f"{out['ttft_mean_s'] - out['api_ttft_mean_s']:.3f} s outside the server (client, HTTP, SSE)",
+              flush=True)
+    return out
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *args.engine_argv]
+    proc = subprocess.Popen(command, stdout=open(args.server_log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"jaxserve serve exited; see {args.server_log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("jaxserve serve did not start")
+        time.sleep(0.5)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    parser.add_argument("--mode", choices=["both", "in-process", "http"], default="both")
+    parser.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--server-pid", type=int, default=None, help="with --url: the server's process, whose "
+                        "CPU time (and its children's) is then reported")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate in-process and HTTP this many times")
+    parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "bench_serving_server.log"))
+    parser.add_argument("--json", default=None, help="write the results here")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    args.engine_argv = _engine_argv(raw)  # the server gets exactly the engine options given here
+    results = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "args": vars(args)}
+
+    from jaxserve.engine import Engine
+    engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
+    prompts = make_prompts(engine.tokenizer, args.warmup + args.requests, args.prompt_tokens, args.prompt_seed)
+    proc, url = None, args.url
+    if args.mode in ("both", "http") and url is None:
+        proc, url = start_server(args)
+    modes = {"both": ("in_process", "http"), "in-process": ("in_process",), "http": ("http",)}[args.mode]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    try:
+        for i in range(args.rounds):  # alternating, so a change of machine load hits both alike
+            print(f"round {i + 1} of {args.rounds}", flush=True)
+            if "in_process" in runs:
+                runs["in_process"].append(run_in_process(engine, prompts, args, warm=i == 0))
+            if "http" in runs:
+                runs["http"].append(run_http(url, prompts, args, warm=i == 0,
+                                             server_pid=proc.pid if proc is not None else args.server_pid))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    for mode, rounds in runs.items():
+        if any(r.get("compiles_measured") for r in rounds):
+            print(f"note: compiles in a measured {mode} phase (raise --warmup)")
+        if args.rounds > 1:
+            print("all rounds:", end=" ")
+        results[mode] = summarize(mode.replace("_", "-") if args.rounds > 1 else mode, *_totals(rounds)) \
+            if args.rounds > 1 else rounds[0]
+        results[mode]["rounds"] = [{k: v for k, v in r.items() if k not in ("ttft", "itl")} for r in rounds]
+        for r in (results[mode], *results[mode]["rounds"]):
+            r.pop("ttft", None), r.pop("itl", None)
+    if "in_process" in results and "http" in results:
+        a, b = results["in_process"], results["http"]
+        results["ratio"] = {"output_tok_s": b["output_tok_s"] / a["output_tok_s"],
+                            "ttft_mean": b["ttft_mean_s"] / a["ttft_mean_s"], "itl_mean": b["itl_mean_ms"] / a["itl_mean_ms"]}
+        r = results["ratio"]
+        print(f"{'HTTP / in-process':>10}: output tok/s {r['output_tok_s']:.2f}x, TTFT mean {r['ttft_mean']:.2f}x, "
+              f"ITL mean {r['itl_mean']:.2f}x")
+    results["load_after"] = os.getloadavg()
+    print(f"CPU: {results['cpu']}; load average before {results['load_before'][0]:.2f}, "
+          f"after {results['load_after'][0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads)."""
+    import psutil
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _server_cpu_s(pid: int | None) -> dict[str, float]:
+    """CPU seconds of the server process and of each child (the engine process)."""
+    if pid is None:
+        return {}
+    import psutil
+    out = {"API process": _cpu_s(pid)}
+    for child in psutil.Process(pid).children():
+        name = "engine process" if "spawn_main" in " ".join(child.cmdline()) else f"child {child.pid}"
+        out[name] = _cpu_s(child.pid)
+    return out
+
+
+def _print_cpu(out: dict) -> None:
+    per_k = {k: 1000 * v / out["output_tokens"] for k, v in out["cpu_s"].items()}
+    print(f"{'':>10}  CPU seconds per 1000 output tokens: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in per_k.items()), flush=True)
+
+
+def _totals(rounds: list[dict]):
+    """(ttft, itl, tokens, elapsed) over all rounds."""
+    return ([t for r in rounds for t in r["ttft"]], [t for r in rounds for t in r["itl"]],
+            sum(r["output_tokens"] for r in rounds), sum(r["elapsed_s"] for r in rounds))
+
+
+def _engine_argv(raw: list[str]) -> list[str]:
+    """The engine options among the command-line words (the rest is this script's)."""
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    _, rest = engine.parse_known_args(raw)
+    out, j = [], 0
+    for word in raw:
+        if j < len(rest) and word == rest[j]:
+            j += 1
+        else:
+            out.append(word)
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

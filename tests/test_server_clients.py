@@ -1,0 +1,176 @@
+"""A real `jaxserve serve` (API process + engine process) on a tiny Llama, driven by the clients
+people use: GuideLLM (a short concurrent run, zero errors) and Schemathesis (every check against
+the OpenAPI document); and the guarantees that cross the process boundary: a disconnect frees its
+pages, 64 concurrent streams lose nothing, and /health turns 503 when the engine process dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+MAX_MODEL_LEN = 256
+HERE = os.path.dirname(__file__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """`jaxserve serve` in a subprocess on loopback."""
+
+    def __init__(self, model: str, log_path: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--port", str(self.port),
+             "--max-slots", "16", "--page-size", "8", "--num-pages", "512", "--max-model-len", str(MAX_MODEL_LEN)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while True:
+            assert self.proc.poll() is None, open(log_path).read()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "jaxserve serve did not start"
+            time.sleep(0.2)
+
+    def engine_process(self) -> psutil.Process:
+        children = psutil.Process(self.proc.pid).children()
+        return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def serve(checkpoints, tmp_path_factory):
+    s = Serve(checkpoints("llama"), str(tmp_path_factory.mktemp("serve") / "serve.log"))
+    # Compile the shapes the runs below use, so no request waits for XLA.
+    for stream in (False, True):
+        httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "prompt": "the quick brown fox " * 8, "max_tokens": 32, "stream": stream, "logprobs": 2})
+    yield s
+    s.close()
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["jaxserve_kv_pages_used"] == 0 and m["jaxserve_num_requests_running"] == 0 \
+                and m["jaxserve_num_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"KV pages still held: {m['jaxserve_kv_pages_used']}"
+        time.sleep(0.05)
+
+
+def offline_env(**extra) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "NO_COLOR": "1", **extra}
+
+
+def test_guidellm_concurrent_run_has_no_errors(serve, checkpoints, tmp_path):
+    out = tmp_path / "guidellm.json"
+    guidellm = os.path.join(os.path.dirname(sys.executable), "guidellm")
+    run = subprocess.run(
+        [guidellm, "run", "--backend", f"kind=openai_http,target={serve.url}",
+         "--profile", "kind=concurrent,streams=4",
+         "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+         "--tokenizer", f"kind=hf_auto,model={checkpoints('llama')}",
+         "--constraint", "kind=max_requests,count=16", "--output", f"kind=json,path={out}",
+         "--disable-progress"], env=offline_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    state = bench["scheduler_state"]
+    assert state["successful_requests"] == 16 and state["errored_requests"] == 0, state
+    assert bench["metrics"]["output_token_count"]["successful"]["mean"] > 0
+    wait_idle(serve.url)
+
+
+def test_schemathesis_all_checks_pass(serve, tmp_path):
+    schemathesis = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    env = offline_env(SCHEMATHESIS_HOOKS="schemathesis_hooks", PYTHONPATH=HERE,
+                      JAXSERVE_TEST_MAX_MODEL_LEN=str(MAX_MODEL_LEN))
+    run = subprocess.run(
+        [schemathesis, "run", f"{serve.url}/openapi.json", "--checks", "all", "--max-examples", "10",
+         "--max-response-time", "60", "--request-timeout", "120", "--seed", "1", "--no-color"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert httpx.get(serve.url + "/health").status_code == 200
+    wait_idle(serve.url)
+
+
+def test_disconnect_frees_pages_across_processes(serve):
+    before = metrics(serve.url).get('jaxserve_requests_finished_total{finish_reason="abort"}', 0)
+    body = {"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=serve.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+    m = wait_idle(serve.url)
+    assert m['jaxserve_requests_finished_total{finish_reason="abort"}'] == before + 1
+
+
+def test_64_concurrent_streams_lose_nothing(serve):
+    async def one(c, i):
+        body = {"prompt": f"the lazy dog {i}", "max_tokens": 8 + i % 5, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        text, usage = "", None
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert chunk["usage"] is not None  # continuous usage: in every chunk
+                    usage = chunk["usage"]
+                    text += "".join(ch["text"] for ch in chunk["choices"])
+        return usage["completion_tokens"] == body["max_tokens"] and bool(text)
+
+    async def go():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=serve.url, limits=limits, timeout=300) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+    assert all(asyncio.run(go()))
+    assert wait_idle(serve.url)["jaxserve_kv_pages_used"] == 0
+
+
+def test_engine_process_death_makes_health_503(checkpoints, tmp_path):
+    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"))
+    try:
+        s.engine_process().kill()
+        deadline = time.monotonic() + 20
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    finally:
+        s.close()
