@@ -111,6 +111,7 @@ class Payload:
     logprobs: bool
     include_stop: bool = False
     request_id: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: different salts never share pages
 
 
 class Job:
@@ -139,7 +140,7 @@ class Job:
     async def respond(self, stream: bool, include_usage: bool, continuous_usage: bool, headers: dict | None = None):
         try:
             self.ids, self.queue = await self.client.submit(self.prompts, self.params, f"{self.id}-{uuid.uuid4().hex[:8]}",
-                                                            self.arrival)
+                                                            self.arrival, cache_salt=self.payload.cache_salt)
         except ValueError as e:
             raise ApiError(400, str(e), param=param_of(str(e)))
         except QueueFullError as e:

@@ -27,6 +27,14 @@ def _mib(text: str) -> int:
     return int(text) << 20
 
 
+def _on_off(text: str) -> bool:
+    if text.lower() in ("on", "true", "1", "yes"):
+        return True
+    if text.lower() in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Option:
     flag: str
@@ -43,7 +51,12 @@ _OPTIONS = (
     _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)"),
     _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB", _mib),
     _Option("--max-model-len", "max_model_len", "context length (default: the model's, capped at 2048)"),
-    _Option("--dtype", "dtype", "weights and activations", str, DTYPES),
+    _Option("--dtype", "dtype", "weights (auto: bfloat16 with float32 accumulation)", str, DTYPES),
+    _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
+    _Option("--max-num-batched-tokens", "max_num_batched_tokens", "token budget of one step"),
+    _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", _on_off),
+    _Option("--prefix-caching", "enable_prefix_caching", "share prompts' common leading pages (on/off)", _on_off),
+    _Option("--async-scheduling", "async_scheduling", "schedule step N+1 while step N runs (on/off)", _on_off),
     _Option("--attention-backend", "attention_backend", "attention implementation", str, BACKENDS),
     _Option("--batch-size", "batch_size", "dynamic batching: requests per batch"),
     _Option("--max-batch-delay-ms", "max_batch_delay_ms", "dynamic batching: wait for a batch to fill", float),

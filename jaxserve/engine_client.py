@@ -164,7 +164,7 @@ class EngineClient:
     # ---- asyncio side ----
 
     async def submit(self, prompts: Sequence[list[int]], params: Sequence, prefix: str,
-                     arrival_time: float | None = None) -> tuple[list[str], asyncio.Queue]:
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> tuple[list[str], asyncio.Queue]:
         """Queues token-id prompts as one payload (all or none); returns their request ids and the
         queue that receives their Deltas, a list per step. Raises ValueError (bad input),
         QueueFullError or EngineDeadError."""
@@ -176,7 +176,8 @@ class EngineClient:
         with self._lock:
             for index, request_id in enumerate(ids):
                 self._subs[request_id] = _Subscriber(index, loop, deltas)
-        self._send(("add", key, ids, [list(p) for p in prompts], list(params), arrival_time or time.monotonic()))
+        self._send(("add", key, ids, [list(p) for p in prompts], list(params), arrival_time or time.monotonic(),
+                    cache_salt))
         try:
             error = await future
         except BaseException:  # cancelled, or the core died: forget (and abort) whatever was added

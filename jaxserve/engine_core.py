@@ -170,7 +170,8 @@ class _Core:
                 self.stopping = True
         return replies
 
-    def add(self, key: str, ids: list[str], prompts: list[list[int]], params: list, arrival: float) -> tuple:
+    def add(self, key: str, ids: list[str], prompts: list[list[int]], params: list, arrival: float,
+            cache_salt: str | None = None) -> tuple:
         """Adds a payload's prompts as one group, all or none."""
         from jaxserve.engine import QueueFullError
         engine = self.engine
@@ -178,7 +179,8 @@ class _Core:
         added = []
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(prompt, p, request_id=request_id, group=self.groups, arrival_time=arrival)
+                engine.add_request(prompt, p, request_id=request_id, group=self.groups, arrival_time=arrival,
+                                   cache_salt=cache_salt)
                 added.append(request_id)
         except Exception as e:  # noqa: BLE001 — ValueError, QueueFullError, ...: undo the payload
             for request_id in added:

@@ -23,6 +23,12 @@ class Metrics:
         self.running = Gauge("jaxserve_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("jaxserve_num_requests_waiting", "Requests in the waiting queue", registry=r)
         self.kv_pages_used = Gauge("jaxserve_kv_pages_used", "KV pages held by sequences", registry=r)
+        self.kv_pages_cached = Gauge("jaxserve_kv_pages_cached",
+                                     "KV pages held by no sequence but keeping a prefix-cache page", registry=r)
+        self.prefix_cache_queries = Counter("jaxserve_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("jaxserve_prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache", registry=r)
         self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "KV pages in the pool (null page excluded)",
                                     registry=r)
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_percent", "KV pages in use, percent of the pool", registry=r)
@@ -48,18 +54,21 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0}
+        self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
+                      "prefix_cache_hits": 0}
 
     def observe_engine(self, stats: dict) -> None:
         """Mirrors `Engine.stats()`: gauges are set, engine counters advance by their increase."""
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
-        total, used = stats["total_pages"], stats["total_pages"] - stats["free_pages"]
+        total, used = stats["total_pages"], stats["used_pages"]
         self.kv_pages_used.set(used)
+        self.kv_pages_cached.set(stats["cached_pages"])
         self.kv_pages_total.set(total)
         self.kv_usage.set(100.0 * used / total if total else 0.0)
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
-                             ("num_errors", self.engine_errors)):
+                             ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
+                             ("prefix_cache_hits", self.prefix_cache_hits)):
             value = stats.get(key, 0)
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])

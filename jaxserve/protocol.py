@@ -109,7 +109,6 @@ _Priority = _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
                   "request priorities are not implemented by jaxserve; leave priority at 0")
 _ReturnTokensAsTokenIds = _is(False, "return_tokens_as_token_ids is not implemented by jaxserve")
 _ReturnTokenIds = _is(False, "return_token_ids is not implemented by jaxserve")
-_CacheSalt = _absent("cache_salt is not supported yet")
 _KvTransferParams = _absent("KV transfer is not implemented by jaxserve")
 _VllmXargs = _absent("vllm_xargs are not supported by jaxserve")
 _BestOf = _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
@@ -199,7 +198,7 @@ class _Sampling(_Strict):
     priority: _Priority = None
     return_tokens_as_token_ids: _ReturnTokensAsTokenIds = None
     return_token_ids: _ReturnTokenIds = None
-    cache_salt: _CacheSalt = None
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache pages
     kv_transfer_params: _KvTransferParams = None
     vllm_xargs: _VllmXargs = None
 

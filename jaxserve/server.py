@@ -146,7 +146,8 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
         params = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
                            info.vocab_size)
         payload = Payload(prompts, params, body.n, echo, chat=False, logprobs=body.logprobs is not None,
-                          include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id)
+                          include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
+                          cache_salt=body.cache_salt)
         job = Job(client, request, name, payload, tokenizer, arrival)
         return await job.respond(bool(body.stream), body.include_usage, body.continuous_usage)
 
@@ -176,7 +177,8 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
             max_tokens = max(1, info.max_model_len - len(prompt))
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, info.vocab_size)
         payload = Payload([prompt], params, body.n, [""], chat=True, logprobs=bool(body.logprobs),
-                          include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id)
+                          include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
+                          cache_salt=body.cache_salt)
         job = Job(client, request, name, payload, tokenizer, arrival)
         return await job.respond(bool(body.stream), body.include_usage, body.continuous_usage, {HEADER: source})
 

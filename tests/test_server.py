@@ -350,7 +350,7 @@ class _BrokenEngine:
 
     idle = False
 
-    def add_request(self, prompt, params, request_id=None, group=None, arrival_time=None):
+    def add_request(self, prompt, params, request_id=None, group=None, arrival_time=None, cache_salt=None):
         self.work = True
         self.prompt = prompt
         raise ValueError("never added")  # so the payload fails first ...
@@ -359,7 +359,7 @@ class _BrokenEngine:
         raise RuntimeError("boom")
 
     def stats(self):
-        return dict(running=0, waiting=0, free_pages=1, total_pages=1)
+        return dict(running=0, waiting=0, free_pages=1, cached_pages=0, used_pages=0, total_pages=1)
 
 
 def test_dead_engine_loop_makes_health_503():
@@ -382,3 +382,20 @@ def test_dead_engine_loop_makes_health_503():
             r = await c.post("/v1/completions", json={"prompt": [1, 2]})
             assert r.status_code == 503
     asyncio.run(go())
+
+
+def test_n_siblings_compute_their_prompt_once_and_salts_separate(server, model, client):
+    prompt = list(range(10, 42))  # 32 tokens: 3 full pages before the last token (page size 8)
+    before = metrics(server)
+    out = client.completions.create(model=model, prompt=prompt, n=4, max_tokens=3, temperature=0)
+    assert len({c.text for c in out.choices}) == 1  # greedy siblings agree
+    m = wait_idle(server)
+    hits = m["jaxserve_prefix_cache_hits_total"] - before["jaxserve_prefix_cache_hits_total"]
+    assert hits == 3 * 24  # the 3 siblings after the first took its 3 full pages from the cache
+    salted = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0,
+                                       extra_body={"cache_salt": "tenant-b"})
+    m2 = wait_idle(server)
+    assert m2["jaxserve_prefix_cache_hits_total"] == m["jaxserve_prefix_cache_hits_total"]  # another tenant: no hit
+    assert salted.choices[0].text == out.choices[0].text
+    bad = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "x", "cache_salt": 5})
+    assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
