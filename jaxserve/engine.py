@@ -16,6 +16,8 @@ it from one loop thread.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -50,6 +52,23 @@ Prompt = str | list[int]
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One dispatched step, as the dashboard and benchmarks read it."""
+
+    time: float  # time.time() at dispatch
+    tokens: int  # tokens run (decode tokens plus prompt-chunk tokens)
+    decode_rows: int  # sequences that ran one token
+    prefill_tokens: int  # tokens of prompt chunks
+    running: int
+    waiting: int
+    used_pages: int
+    cached_pages: int
+
+
+HISTORY_STEPS = 2048  # steps kept in Engine.history (minutes of a busy engine)
 
 
 class Engine:
@@ -109,6 +128,8 @@ class Engine:
         self._ids = itertools.count()
         self._groups = itertools.count(1)
         self.num_errors = 0
+        self.num_steps = 0
+        self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
 
     def with_strategy(self, strategy: str, **changes) -> "Engine":
         """A new engine with another batching strategy (and scheduling options such as batch_size or
@@ -239,7 +260,15 @@ class Engine:
         want_logprobs = any(r.params.logprobs is not None for r in schedule.sampling)
         in_flight = self.runner.dispatch(batch, logprobs=want_logprobs)
         self.scheduler.advance(schedule)
+        self._record(schedule)
         return schedule, batch.rows, in_flight
+
+    def _record(self, schedule) -> None:
+        decodes = sum(1 for n in schedule.num_tokens.values() if n == 1)
+        total = schedule.total_tokens
+        self.num_steps += 1
+        self.history.append(StepRecord(time.time(), total, decodes, total - decodes, len(self.scheduler.running),
+                                       len(self.scheduler.waiting), self.blocks.used_pages, self.blocks.cached_pages))
 
     def _collect(self, schedule, rows, in_flight) -> list[Request]:
         """Brings a dispatched step's tokens to the host and commits them."""
@@ -362,6 +391,7 @@ class Engine:
             "tokens_computed": self.runner.tokens_computed,  # the same with bucket padding
             "num_preemptions": self.scheduler.num_preemptions,
             "num_errors": self.num_errors,
+            "num_steps": self.num_steps,
         }
 
 
