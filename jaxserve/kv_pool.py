@@ -1,6 +1,8 @@
 """The preallocated paged KV pool: per layer, K and V of shape [N, M, S, K].
 
-N kv heads, M pages (page 0 is the null page), S page size, K head dim.
+N kv heads, M pages (page 0 is the null page), S page size, K head dim. A bfloat16 pool may be
+stored as its bits (uint16): XLA:CPU scatters and converts bfloat16 arrays through float32 copies
+of the whole pool, while integers are scattered in place; readers reinterpret what they gather.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype
     return kv_cache_bytes // page_bytes(cfg, page_size, dtype)
 
 
+def storage_dtype(dtype, as_bits: bool):
+    """The array dtype of a pool of `dtype`: uint16 for bfloat16 kept as bits."""
+    return jnp.dtype(jnp.uint16) if as_bits and jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
 def allocate_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> list:
-    """Zeroed pool: a list over layers of (k, v), each [N, M, S, K], placed with `sharding` if given."""
+    """Zeroed pool: a list over layers of (k, v), each [N, M, S, K] of `dtype` (a storage dtype),
+    placed with `sharding` if given."""
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(cfg.num_layers)]

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.kv_pool import allocate_kv_pool, storage_dtype
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
@@ -75,8 +75,10 @@ class Runner:
             kv_sharding = sharding.kv_pool_sharding(mesh, model.cfg)
             self.attend = sharding.per_shard_attention(self.attend, mesh, model.cfg)
         self.kv_sharding = kv_sharding
-        self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, jnp.dtype(config.kv_dtype),
-                                        kv_sharding)
+        # On CPU the reference attention reads a bfloat16 pool kept as bits (see kv_pool).
+        as_bits = config.attention_backend == "reference" and jax.default_backend() == "cpu"
+        self.kv_dtype = storage_dtype(config.kv_dtype, as_bits)
+        self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, self.kv_dtype, kv_sharding)
         self.slot_tokens = self._zeros_slot_tokens()  # [max_slots] each slot's last sampled token
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
@@ -139,7 +141,7 @@ class Runner:
         """After a failed step, which may have consumed the donated pool: fresh state if so."""
         if any(k.is_deleted() or v.is_deleted() for k, v in self.kv_pool):
             self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
-                                            self.kv_pool[0][0].dtype, self.kv_sharding)
+                                            self.kv_dtype, self.kv_sharding)
         if self.slot_tokens.is_deleted():
             self.slot_tokens = self._zeros_slot_tokens()
 

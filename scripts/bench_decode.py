@@ -2,13 +2,16 @@
 
     python scripts/bench_decode.py                         # Gemma 3 270M, float32 and the default dtype
     python scripts/bench_decode.py --batches 1,2,4,16,64 --context 256 --dtypes float32,bfloat16
+    python scripts/bench_decode.py --budget-sweep 64,128,256,512,1024   # what max_num_batched_tokens buys
 
 For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
 sequence holding `--context` tokens in the pool) and prints tokens/s, the step's FLOPs and the
 bytes it must read (weights once, plus every sequence's K/V), and the roofline bound
 min(peak FLOP/s / FLOPs, bandwidth / bytes) x B, from this machine's measured matmul peak (a 2048^3
 dot in each dtype) and copy bandwidth. Also the one-row and two-row forms of a bf16 dot, which
-decide the smallest decode bucket on CPU.
+decide the smallest decode bucket on CPU. `--budget-sweep` times steps of 16 decode rows plus one
+prompt chunk filling each token budget: tokens/s grows with the budget while every decode waits a
+whole step, so the default budget is the smallest that reaches most of the throughput.
 """
 
 from __future__ import annotations
@@ -79,6 +82,36 @@ def decode_step_time(engine: Engine, batch: int, context: int, reps: int) -> flo
     return timed(lambda: runner.step(step), reps)
 
 
+def mixed_step_time(engine: Engine, budget: int, decodes: int, context: int, reps: int) -> float:
+    """A step of `decodes` decode rows at `context` tokens plus one prompt chunk of the rest of the budget."""
+    runner, page, slots = engine.runner, engine.config.page_size, engine.config.max_slots
+    tables = np.zeros((slots, runner.pages_per_seq), np.int32)
+    pages = -(-context // page)
+    tables[:decodes, :pages] = 1 + np.arange(decodes * pages).reshape(decodes, pages)
+    chunk = budget - decodes
+    tables[decodes, : -(-chunk // page)] = 1 + decodes * pages + np.arange(-(-chunk // page))
+    sampling = SamplingBatch(np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
+                             np.zeros(slots, np.float32), np.zeros(slots, np.uint32))
+    seqs = [ScheduledSeq(i, context - 1, [1000 + i]) for i in range(decodes)]
+    seqs.append(ScheduledSeq(decodes, 0, list(range(1000, 1000 + chunk))))
+    step = build_step(seqs, tables, sampling, page, runner.buckets, runner.replicas)
+    return timed(lambda: runner.step(step), reps)
+
+
+def budget_sweep(args, budgets: list[int]) -> None:
+    print(f"\n| dtype | budget | step ms (every decode's ITL) | tokens/s | of the best |")
+    print("|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        engine = Engine.from_pretrained(args.model, EngineConfig(
+            dtype=dtype, max_slots=32, max_num_batched_tokens=max(budgets), max_model_len=2048,
+            num_pages=1 + 17 * 128))
+        rows = [(b, mixed_step_time(engine, b, 16, args.context, args.reps)) for b in budgets]
+        best = max(b / t for b, t in rows)
+        for b, t in rows:
+            print(f"| {engine.config.weights_dtype} | {b} | {t * 1e3:.1f} | {b / t:.0f} | {b / t / best:.0%} |", flush=True)
+        del engine
+
+
 def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     """(FLOPs, bytes) of a decode step: matmuls at 2 FLOPs per weight per token, attention at 4
     per cached key and head dim; weights read once, K/V read once per sequence."""
@@ -98,6 +131,7 @@ def main(argv=None) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--context", type=int, default=128, help="tokens each sequence holds")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--budget-sweep", default=None, help="comma-separated token budgets: time mixed steps instead")
     args = p.parse_args(argv)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
@@ -105,6 +139,8 @@ def main(argv=None) -> None:
     peak32, peak16, bandwidth = matmul_peak(jnp.float32), matmul_peak(jnp.bfloat16), copy_bandwidth()
     print(f"roofline: 2048^3 dot {peak32 / 1e9:.0f} GFLOP/s float32, {peak16 / 1e9:.0f} GFLOP/s bfloat16; "
           f"copy {bandwidth / 1e9:.1f} GB/s")
+    if args.budget_sweep:
+        return budget_sweep(args, [int(b) for b in args.budget_sweep.split(",")])
     print("output layer 640x262144, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in one_row_forms().items()))
     batches = [int(b) for b in args.batches.split(",")]
     print(f"\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")

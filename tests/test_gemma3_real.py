@@ -21,12 +21,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 @pytest.fixture(scope="module")
+def weights():
+    return load_model(None)[:2]  # (config, float32 weights)
+
+
+@pytest.fixture(scope="module")
 def engine():
     return Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=80, dtype="float32"))
 
 
-def test_logits_close_to_hugging_face(engine, hf_gemma3):
-    model = Transformer(*load_model(None)[:2])
+def test_logits_close_to_hugging_face(engine, hf_gemma3, weights):
+    model = Transformer(*weights)
     tokens = np.array(engine.tokenizer.encode(PROMPTS[2] + " there lived an old clockmaker who"), np.int32)
     with torch.no_grad():
         expected = hf_gemma3(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
@@ -72,11 +77,10 @@ def test_default_dtype_tracks_float32_up_to_the_first_near_tie(engine):
     assert compared >= 5 * 8, f"only {compared} tokens compared before near ties"
 
 
-def test_default_dtype_logits_stay_close_to_float32():
-    cfg, weights = load_model(None)[:2]
+def test_default_dtype_logits_stay_close_to_float32(weights):
     tokens = np.arange(1000, 1040, dtype=np.int32)
-    f32 = paged_logits(Transformer(cfg, weights), tokens, prompt_len=32)
-    bf16 = paged_logits(Transformer(cfg, weights, dtype="bfloat16"), tokens, prompt_len=32)
+    f32 = paged_logits(Transformer(*weights), tokens, prompt_len=len(tokens))
+    bf16 = paged_logits(Transformer(*weights, dtype="bfloat16"), tokens, prompt_len=len(tokens))
     err = np.abs(bf16 - f32).max()
     print(f"largest logit difference, bfloat16 weights vs float32: {err:.3f} (logits up to {np.abs(f32).max():.1f})")
     assert err < 0.1 * np.abs(f32).max()

@@ -47,12 +47,9 @@ def write_kv(kv, key, value, slot_mapping):
 
 
 def _scatter(pool, new, slot_mapping):
-    """pool [N, M, S, K] with new [T, N, K] written at slots [T]. A 16-bit pool is scattered as
-    integers: XLA:CPU scatters bfloat16 by converting the whole pool to float32 and back."""
+    """pool [N, M, S, K] with new [T, N, K] written at slots [T]; a uint16 pool holds bfloat16 bits."""
     n, m, s, k = pool.shape
-    new = new.swapaxes(0, 1).astype(pool.dtype)  # [N, T, K]
-    if pool.dtype.itemsize == 2:
-        bits = jax.lax.bitcast_convert_type(pool, jnp.uint16).reshape(n, m * s, k)
-        bits = bits.at[:, slot_mapping].set(jax.lax.bitcast_convert_type(new, jnp.uint16))
-        return jax.lax.bitcast_convert_type(bits.reshape(n, m, s, k), pool.dtype)
-    return pool.reshape(n, m * s, k).at[:, slot_mapping].set(new).reshape(n, m, s, k)
+    new = new.swapaxes(0, 1)  # [N, T, K]
+    if pool.dtype == jnp.uint16:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    return pool.reshape(n, m * s, k).at[:, slot_mapping].set(new.astype(pool.dtype)).reshape(n, m, s, k)

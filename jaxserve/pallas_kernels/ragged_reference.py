@@ -41,8 +41,9 @@ ROWS_PER_BLOCK = 32  # Q for prompt chunks
 
 
 def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                        sliding_window=None, soft_cap=None, *, name: str) -> None:
-    """Shapes, dtypes and options of a ragged attention call; raises ValueError naming the input."""
+                        sliding_window=None, soft_cap=None, *, name: str, bits: bool = False) -> None:
+    """Shapes, dtypes and options of a ragged attention call; raises ValueError naming the input.
+    `bits`: the pool may also be uint16, holding bfloat16 bits (see `jaxserve.kv_pool`)."""
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
@@ -53,9 +54,13 @@ def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start,
         raise ValueError(f"{name}: q head_dim {q.shape[2]} != k_pages head_dim {head_dim}")
     if q.shape[1] % kv_heads:
         raise ValueError(f"{name}: query heads {q.shape[1]} are not a multiple of kv heads {kv_heads}")
-    for arr, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
-        if arr.dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"{name}: {what} must be float32 or bfloat16, got {arr.dtype}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name}: q must be float32 or bfloat16, got {q.dtype}")
+    pool_dtypes = (jnp.float32, jnp.bfloat16) + ((jnp.uint16,) if bits else ())
+    for arr, what in ((k_pages, "k_pages"), (v_pages, "v_pages")):
+        if arr.dtype not in pool_dtypes:
+            raise ValueError(f"{name}: {what} must be one of {[str(jnp.dtype(d)) for d in pool_dtypes]}, "
+                             f"got {arr.dtype}")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"{name}: k_pages dtype {k_pages.dtype} != v_pages dtype {v_pages.dtype}")
     seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else None
@@ -80,7 +85,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
                                      rows_per_block: int = ROWS_PER_BLOCK) -> jax.Array:
     """Ragged paged attention in plain jnp (see the module docstring for the contract)."""
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                        sliding_window, soft_cap, name="ragged_paged_attention_reference")
+                        sliding_window, soft_cap, name="ragged_paged_attention_reference", bits=True)
     kv_lens, block_tables, query_start, num_seqs = map(jnp.asarray, (kv_lens, block_tables, query_start, num_seqs))
     tokens, heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
@@ -103,11 +108,16 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     return out[:tokens].astype(q.dtype)
 
 
+def as_values(pages):
+    """Pool pages in their value dtype: uint16 bits reinterpreted as bfloat16."""
+    return lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
+
+
 def _gather(k_pages, v_pages, pages):
     """This block's pages, and only them, in float32. The barrier keeps XLA from hoisting the
     conversion of a bfloat16 pool out of the loop, which would convert the whole pool per layer."""
     k, v = lax.optimization_barrier((k_pages[:, pages], v_pages[:, pages]))
-    return k.astype(jnp.float32), v.astype(jnp.float32)
+    return as_values(k).astype(jnp.float32), as_values(v).astype(jnp.float32)
 
 
 def _dot(a, b, spec):
