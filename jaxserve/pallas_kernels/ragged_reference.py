@@ -114,13 +114,18 @@ def as_values(pages):
 
 
 def _gather(k_pages, v_pages, pages):
-    """This block's pages, and only them, in float32. The barrier keeps XLA from hoisting the
-    conversion of a bfloat16 pool out of the loop, which would convert the whole pool per layer."""
+    """This block's pages, and only them, in their value dtype. The barrier keeps XLA from hoisting
+    a conversion of a bfloat16 pool out of the loop, which would convert the whole pool per layer."""
     k, v = lax.optimization_barrier((k_pages[:, pages], v_pages[:, pages]))
-    return as_values(k).astype(jnp.float32), as_values(v).astype(jnp.float32)
+    return as_values(k), as_values(v)
 
 
 def _dot(a, b, spec):
+    """einsum against a block of the pool in float32: a bfloat16 block meets the other operand cast
+    to bfloat16 (XLA's fast form, about 1.5x the speed of converting the block), float32 at full
+    precision."""
+    if b.dtype == jnp.bfloat16:
+        return jnp.einsum(spec, a.astype(jnp.bfloat16), b, preferred_element_type=jnp.float32)
     return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST)
 
 
