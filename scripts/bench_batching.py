@@ -35,6 +35,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from step_profile import StepProfile  # noqa: E402
+
 from jaxserve import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
@@ -72,10 +74,11 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: bool = True) -> dict:
+def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: bool = True,
+                 overlap: bool = True) -> dict:
     """Replays the workload's arrivals against one strategy; returns its row of figures."""
     eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
-                               enable_prefix_caching=caching)
+                               enable_prefix_caching=caching, async_scheduling=overlap)
     stats0 = eng.stats()
     page_size = eng.config.page_size
     order = sorted(range(len(work.prompts) - len(work.late)), key=lambda i: work.arrivals[i])
@@ -83,6 +86,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     token_times: dict[str, list[float]] = {}  # when each request's tokens reached the host
     next_i, peak, kv_weighted, kv_time, late_sent = 0, 0, 0.0, 0.0, not work.late
     bar = tqdm(total=len(work.prompts), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
+    profile = StepProfile(eng).__enter__()  # host time per step and device idle share
     start = time.monotonic()
 
     def send(payload, group, arrival):
@@ -125,6 +129,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         if eng.idle:
             time.sleep(0.0005)
     bar.close()
+    profile.__exit__(None, None, None)
     requests = [eng.request(ids[i]) for i in sorted(ids)]
     makespan = max(r.finish_time for r in requests) - start
     ttft = [r.first_token_time - r.arrival_time for r in requests]
@@ -139,7 +144,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     label = strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
     queries = stats["prefix_cache_queries"] - stats0["prefix_cache_queries"]
     return {
-        "strategy": label + ("" if caching else " (no prefix caching)"),
+        "strategy": label + ("" if caching else " (no prefix caching)") + ("" if overlap else " (steps in order)"),
         "requests_per_s": len(requests) / makespan,
         "output_tokens_per_s": out_tokens / makespan,
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
@@ -150,6 +155,9 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         "kv_utilization": kv_weighted / kv_time if kv_time else float("nan"),
         "prefix_hit_rate": (stats["prefix_cache_hits"] - stats0["prefix_cache_hits"]) / queries if queries else 0.0,
         "padding": (stats["tokens_computed"] - stats0["tokens_computed"]) / (stats["tokens_run"] - stats0["tokens_run"]),
+        "host_ms_per_step": profile.host_ms_per_step()["host"],
+        "host_ms_by_part": profile.host_ms_per_step(),
+        "device_idle_share": profile.device_idle_share(),
         "preemptions": stats["num_preemptions"] - stats0["num_preemptions"],
         "compiles_during_run": stats["num_compiles"] - stats0["num_compiles"],
         "makespan_s": makespan,
@@ -220,6 +228,7 @@ COLUMNS = [("strategy", "strategy", "{}"), ("req/s", "requests_per_s", "{:.2f}")
            ("E2E p50", "e2e_p50_s", "{:.2f}"), ("E2E p99", "e2e_p99_s", "{:.2f}"),
            ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"), ("pad", "padding", "{:.3f}"),
            ("hits", "prefix_hit_rate", "{:.1%}"),
+           ("host ms/step", "host_ms_per_step", "{:.1f}"), ("device idle", "device_idle_share", "{:.1%}"),
            ("preempt", "preemptions", "{}"), ("compiles", "compiles_during_run", "{}")]
 
 
@@ -284,6 +293,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="also run every strategy on an engine that prefills prompts whole")
     p.add_argument("--no-prefix-caching", action="store_true", help="also run every strategy with the prefix cache off")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="also run every strategy with each step's tokens collected before the next is scheduled")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -309,6 +320,8 @@ def main(argv=None) -> None:
             rows.append(run_strategy(engine, s, work, args))
             if args.no_prefix_caching or args.shared_prefix_len:
                 rows.append(run_strategy(engine, s, work, args, caching=False))
+            if args.no_async_scheduling:
+                rows.append(run_strategy(engine, s, work, args, overlap=False))
     peers = [p for p in args.peer.split(",") if p]
     if "hf" in peers:
         rows.append(run_hf_peer(args.model, work, args))
