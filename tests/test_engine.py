@@ -132,7 +132,7 @@ def test_bad_prompts_raise_value_error(engine, prompt, params, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-3), "seed"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2**31), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-3), "seed"),
 ])
 def test_bad_sampling_params_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
