@@ -3,6 +3,7 @@
     python scripts/bench_decode.py                         # Gemma 3 270M, float32 and the default dtype
     python scripts/bench_decode.py --batches 1,2,4,16,64 --context 256 --dtypes float32,bfloat16
     python scripts/bench_decode.py --budget-sweep 64,128,256,512,1024   # what max_num_batched_tokens buys
+    python scripts/bench_decode.py --attention --batches 1,16,64 --context 256  # attention vs bandwidth
 
 For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
 sequence holding `--context` tokens in the pool) and prints tokens/s, the step's FLOPs and the
@@ -12,6 +13,8 @@ dot in each dtype) and copy bandwidth. Also the one-row and two-row forms of a b
 decide the smallest decode bucket on CPU. `--budget-sweep` times steps of 16 decode rows plus one
 prompt chunk filling each token budget: tokens/s grows with the budget while every decode waits a
 whole step, so the default budget is the smallest that reaches most of the throughput.
+`--attention` times one layer's decode attention (Gemma 3 270M shapes) over a float32 and a
+bfloat16 pool against reading its K/V once at the measured read bandwidth.
 """
 
 from __future__ import annotations
@@ -53,6 +56,42 @@ def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
     x = jnp.ones(mib << 18, jnp.float32)
     copy = jax.jit(lambda v: v + 1)
     return 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), reps)
+
+
+def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s read by a sum over a large array (what attention does to the pool)."""
+    x = jnp.ones(mib << 18, jnp.float32)
+    total = jax.jit(jnp.sum)
+    return x.nbytes / timed(lambda: total(x).block_until_ready(), reps)
+
+
+def attention_sweep(args, batches: list[int]) -> None:
+    """One layer's decode attention, Gemma 3 270M shapes (4 query heads, 1 kv head, head dim 256)."""
+    from jaxserve.kv_pool import storage_dtype
+    from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 512 MiB)")
+    print("\n| pool | batch | context | K/V bytes | ms | GB/s | at bandwidth ms | x of reading once |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    page, pages_per_seq, width = 16, -(-args.context // 16), 128
+    num_pages = 1 + max(batches) * pages_per_seq + 64
+    for dtype in ("float32", "bfloat16"):
+        k, v = (jnp.asarray(rng.standard_normal((1, num_pages, page, 256)), jnp.dtype(dtype)) for _ in range(2))
+        if storage_dtype(dtype, as_bits=True) == jnp.uint16:  # as the engine keeps it on CPU
+            k, v = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (k, v))
+        attend = jax.jit(ragged_paged_attention_reference)
+        for b in batches:
+            tables = np.zeros((b, width), np.int32)
+            tables[:, :pages_per_seq] = 1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq)
+            q = jnp.asarray(rng.standard_normal((b, 4, 256)), jnp.float32)
+            lens, starts = jnp.full((b,), args.context, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32)
+            call = lambda: attend(q, k, v, lens, jnp.asarray(tables), starts, jnp.array([b], jnp.int32))  # noqa: E731
+            seconds = timed(lambda: call().block_until_ready(), args.reps)
+            nbytes = 2 * b * args.context * 256 * jnp.dtype(dtype).itemsize
+            ideal = nbytes / bandwidth
+            print(f"| {dtype} | {b} | {args.context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
+                  f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
 
 
 def one_row_forms(reps: int = 20) -> dict[str, float]:
@@ -132,6 +171,7 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=128, help="tokens each sequence holds")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-sweep", default=None, help="comma-separated token budgets: time mixed steps instead")
+    p.add_argument("--attention", action="store_true", help="time one layer's decode attention instead")
     args = p.parse_args(argv)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
@@ -141,6 +181,8 @@ def main(argv=None) -> None:
           f"copy {bandwidth / 1e9:.1f} GB/s")
     if args.budget_sweep:
         return budget_sweep(args, [int(b) for b in args.budget_sweep.split(",")])
+    if args.attention:
+        return attention_sweep(args, [int(b) for b in args.batches.split(",")])
     print("output layer 640x262144, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in one_row_forms().items()))
     batches = [int(b) for b in args.batches.split(",")]
     print(f"\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
