@@ -56,6 +56,14 @@ class BlockManager:
     def used_pages(self) -> int:
         return self.total_pages - self.free_pages - self.cached_pages
 
+    def page_readers(self) -> list[int]:
+        """Per page, the null page first: how many sequences read it, or -1 for a cached page
+        (0: free). A copy, for dashboards."""
+        readers = list(self._refs)
+        for p in self._evictable:
+            readers[p] = -1
+        return readers
+
     def can_allocate(self, n: int, keeping: Sequence[int] = ()) -> bool:
         """Whether n new pages can be had while the pages in `keeping` (about to gain a reader)
         stay out of the eviction."""
