@@ -25,14 +25,15 @@ function niceMax(value) {
 }
 
 // series: [{label, color, points: [[timeMs, value], ...], kind: "line" | "area" | "bars"}], drawn in order.
-// Options: now (ms), window (s), yMax (fixed) or yMin (at least), hline (a dashed level, e.g. the token budget).
+// Options: now (ms), window (s), yMax (fixed) or yMin (at least), hline (a dashed level, e.g. the token
+// budget, drawn when the scale reaches it).
 export function drawChart(canvas, series, { now, window: seconds, yMax, yMin = 1, hline, unit = "" }) {
   const { ctx, width, height } = context(canvas);
   const plotW = width - MARGIN.left - MARGIN.right, plotH = height - MARGIN.top - MARGIN.bottom;
   const start = now - seconds * 1000;
   let top = yMax;
   if (top === undefined) {
-    let highest = Math.max(yMin, hline ?? 0);
+    let highest = yMin;
     for (const s of series) for (const [t, v] of s.points) if (t >= start && v > highest) highest = v;
     top = niceMax(highest * 1.05);
   }
@@ -87,7 +88,7 @@ export function drawChart(canvas, series, { now, window: seconds, yMax, yMin = 1
     trace();
     ctx.lineWidth = 1.6; ctx.stroke();
   }
-  if (hline !== undefined) {
+  if (hline !== undefined && hline <= top) {  // off the scale: the caption says it
     ctx.setLineDash([4, 4]); ctx.strokeStyle = "#868e96"; ctx.lineWidth = 1;
     ctx.beginPath(); ctx.moveTo(MARGIN.left, y(hline)); ctx.lineTo(width - MARGIN.right, y(hline)); ctx.stroke();
     ctx.setLineDash([]);

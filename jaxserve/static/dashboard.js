@@ -58,6 +58,7 @@ async function poll() {
   while (samples.length && samples[0].t < now - KEEP_S * 1000) samples.shift();
   while (steps.length && steps[0].t < now - KEEP_S * 1000) steps.shift();
   budget = state.token_budget;
+  $("budget").textContent = `(budget ${budget})`;
   render(state, now);
 }
 
@@ -103,7 +104,7 @@ function legends() {
   legend($("legend-kv"), [["used by running requests", COLORS.used], ["+ cached (prefix cache)", COLORS.cached]]);
   legend($("legend-requests"), [["running", COLORS.running], ["waiting", COLORS.waiting]]);
   legend($("legend-tokens"), [["decode rows", COLORS.decode], ["prompt tokens", COLORS.prefill],
-                              ["token budget (dashed)", "#868e96"]]);
+                              ["budget (dashed, when in scale)", "#868e96"]]);
   legend($("pool-legend"), [["a slot's pages (its colour)", slotColor(0)], ["shared", PAGE_COLORS[SHARED]],
                             ["cached", PAGE_COLORS[CACHED]], ["free", PAGE_COLORS[FREE]]]);
 }
