@@ -9,19 +9,29 @@ page number. Requests appear by id and token counts, never by their prompt or ou
 
 Page owners are run-length encoded over pages 1..N (page 0 is the null page): `[[owner, count],
 ...]`, where an owner is the slot of the one sequence reading the page, or FREE, CACHED (unread,
-kept for the prefix cache), or SHARED (read by several sequences: a prefix-cache hit). A pool of
-100k pages is then a few hundred runs, not 100k numbers.
+kept for the prefix cache), or SHARED (read by several sequences: a prefix-cache hit). A pool past
+MAX_CELLS pages is mapped in cells of `cell` consecutive pages, each showing its busiest page (a
+slot before shared, cached and free), so the answer stays small for a GPU's 300k pages; the
+counts stay exact. Such a map costs milliseconds, so it is then refreshed only as often as keeps
+it under 1/REFRESH of the engine loop's time, however many dashboards poll.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
+
+import numpy as np
 
 FREE, CACHED, SHARED = -1, -2, -3
 HISTORY_DEFAULT = 64  # steps sent when the caller has none yet
 HISTORY_MAX = 1024  # steps sent at most (a client that polls rarely gets the newest ones)
 WAITING_MAX = 256  # waiting requests listed (all are counted)
+MAX_CELLS = 4096  # pages mapped one by one up to this many; past it, in cells of several pages
+REFRESH = 20  # a large pool's map is kept for 20x the time it took to build
+
+_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BlockManager -> (built at, cost, map)
 
 
 def engine_state(engine, since: int | None = None) -> dict:
@@ -69,22 +79,36 @@ def _free_slot(i: int) -> dict:
 
 
 def _pages(blocks, running) -> dict:
-    readers = blocks.page_readers()
-    owner = [FREE if n == 0 else CACHED if n < 0 else SHARED for n in readers]
-    for r in running:
-        if r.slot is not None:
-            for p in r.pages:
-                if readers[p] == 1:
-                    owner[p] = r.slot
-    runs: list[list[int]] = []
-    for o in owner[1:]:  # page 0 is the null page
-        if runs and runs[-1][0] == o:
-            runs[-1][1] += 1
-        else:
-            runs.append([o, 1])
-    return {"total": blocks.total_pages, "free": blocks.free_pages, "cached": blocks.cached_pages,
-            "used": blocks.used_pages, "shared": sum(1 for n in readers if n > 1),
-            "page_size": blocks.page_size, "owners": runs}
+    counts = {"total": blocks.total_pages, "free": blocks.free_pages, "cached": blocks.cached_pages,
+              "used": blocks.used_pages, "page_size": blocks.page_size}
+    now = time.perf_counter()
+    kept = _maps.get(blocks)
+    if blocks.total_pages > MAX_CELLS and kept is not None and now - kept[0] < REFRESH * kept[1]:
+        return {**counts, **kept[2]}
+    page_map = _page_map(blocks, running)
+    _maps[blocks] = (now, time.perf_counter() - now, page_map)
+    return {**counts, **page_map}
+
+
+def _page_map(blocks, running) -> dict:
+    readers = blocks.page_states()
+    owner = np.where(readers == 0, FREE, np.where(readers < 0, CACHED, SHARED)).astype(np.int64)
+    held = [r for r in running if r.slot is not None and r.pages]
+    if held:
+        pages = np.concatenate([np.asarray(r.pages, np.int64) for r in held])
+        slots = np.repeat([r.slot for r in held], [len(r.pages) for r in held])
+        alone = readers[pages] == 1
+        owner[pages[alone]] = slots[alone]
+    owner = owner[1:]  # page 0 is the null page
+    cell = -(-len(owner) // MAX_CELLS)
+    if cell > 1:  # rank: free 0, cached 1, shared 2, slot s 3 + s; a cell shows its highest
+        rank = np.where(owner >= 0, owner + 3, -owner - 1)
+        rank = np.pad(rank, (0, -len(rank) % cell)).reshape(-1, cell).max(axis=1)
+        owner = np.where(rank >= 3, rank - 3, -rank - 1)
+    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    counts = np.diff(np.r_[starts, len(owner)])
+    return {"shared": int((readers > 1).sum()), "cell": cell,
+            "owners": np.stack([owner[starts], counts], axis=1).tolist()}
 
 
 def _history(engine, since: int | None) -> list[dict]:

@@ -182,9 +182,11 @@ class PagePool(_Strict):
     used: int = Field(description="read by running sequences")
     shared: int = Field(description="used pages read by more than one sequence")
     page_size: int
+    cell: int = Field(description="pages per cell of `owners`: 1 up to 4096 pages, more past that")
     owners: list[tuple[int, int]] = Field(
-        description="run-length encoded owner of pages 1..total: [owner, count] pairs, where owner is the slot "
-                    "reading the page, -1 free, -2 cached or -3 shared")
+        description="run-length encoded owner of pages 1..total, cell by cell: [owner, count] pairs, where owner "
+                    "is the slot reading the page, -1 free, -2 cached or -3 shared (a cell of several pages shows "
+                    "its busiest: a slot before shared, cached and free)")
 
 
 class StepSample(_Strict):

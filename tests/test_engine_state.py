@@ -12,11 +12,13 @@ import os
 import re
 import threading
 import tomllib
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.batching import BlockManager
 from jaxserve.dashboard import FILES
 from jaxserve.engine_client import EngineClient
 from jaxserve.engine_state import CACHED, FREE, SHARED, engine_state
@@ -62,7 +64,7 @@ def check_against_engine(state: dict, engine) -> None:
     assert (pages["total"], pages["free"], pages["cached"], pages["used"]) == \
         (stats["total_pages"], stats["free_pages"], stats["cached_pages"], stats["used_pages"])
     owner = owners(state)
-    assert len(owner) == pages["total"]
+    assert pages["cell"] == 1 and len(owner) == pages["total"]
     assert owner.count(FREE) == pages["free"] and owner.count(CACHED) == pages["cached"]
     assert owner.count(SHARED) == pages["shared"]
     assert sum(1 for o in owner if o >= 0) + pages["shared"] == pages["used"]
@@ -110,6 +112,27 @@ def test_history_since_a_step(engine):
         "step": n, "time": last.time, "tokens": last.tokens, "decode_rows": last.decode_rows,
         "prefill_tokens": last.prefill_tokens, "running": last.running, "waiting": last.waiting,
         "used_pages": last.used_pages, "cached_pages": last.cached_pages}]
+
+
+def test_a_large_pool_is_mapped_in_cells(monkeypatch):
+    from jaxserve import engine_state as module
+    blocks = BlockManager(3 * module.MAX_CELLS + 1, 16)  # cells of 3 pages
+    a, b = blocks.allocate(5), blocks.allocate(4000)  # pages 1-5 and 6-4005
+    blocks.share(a[:2])
+    running = [SimpleNamespace(slot=1, pages=a), SimpleNamespace(slot=2, pages=b),
+               SimpleNamespace(slot=7, pages=a[:2]), SimpleNamespace(slot=None, pages=[])]
+    pages = module._pages(blocks, running)
+    assert (pages["total"], pages["used"], pages["shared"], pages["cell"]) == (3 * module.MAX_CELLS, 4005, 2, 3)
+    cells = owners({"pages": pages})
+    assert len(cells) == module.MAX_CELLS
+    # pages 1-3: shared, shared, slot 1 -> slot 1; 4-6: slot 1, slot 1, slot 2 -> the higher slot
+    assert cells[:3] == [1, 2, 2] and cells[1335] == FREE and set(cells[2:1335]) == {2}
+    blocks.free(b)
+    monkeypatch.setattr(module, "REFRESH", 1e9)  # the map is kept, the counts are not
+    kept = module._pages(blocks, running)
+    assert kept["owners"] == pages["owners"] and kept["used"] == 5
+    monkeypatch.setattr(module, "REFRESH", 0)
+    assert owners({"pages": module._pages(blocks, running[:1] + running[2:])})[1:3] == [1, FREE]
 
 
 def _leaves(value):

@@ -82,7 +82,8 @@ function render(state, now) {
   pool.update(pages, state.slots);
   for (const name of ["used", "cached", "shared", "free", "total"]) $(`pages-${name}`).textContent = pages[name];
   $("pages-summary").textContent = `${pages.total} pages of ${pages.page_size} tokens · ` +
-    `${((100 * pages.used) / Math.max(1, pages.total)).toFixed(1)}% used`;
+    `${((100 * pages.used) / Math.max(1, pages.total)).toFixed(1)}% used` +
+    (pages.cell > 1 ? ` · a square per ${pages.cell} pages` : "");
 
   $("queue-summary").textContent = `${state.num_waiting} waiting`;
   renderQueue($("queue"), state.waiting, state.num_waiting);

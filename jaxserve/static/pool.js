@@ -1,6 +1,7 @@
 // The KV page pool on a canvas: one square per page (page 0, the null page, left out), coloured
 // by the slot that reads it, or as free, cached (kept for the prefix cache) or shared (read by
-// several sequences). Owners come run-length encoded from /v1/engine/state: [[owner, count], ...].
+// several sequences). Owners come run-length encoded from /v1/engine/state: [[owner, count], ...];
+// past 4096 pages one square stands for a cell of `pages.cell` pages, coloured as its busiest.
 
 export const FREE = -1, CACHED = -2, SHARED = -3;
 export const PAGE_COLORS = { [FREE]: "#e9ecef", [CACHED]: "#94a3b8", [SHARED]: "#212529" };
@@ -17,8 +18,9 @@ export class PagePool {
     this.canvas = canvas;
     this.info = info;
     this.owners = new Int32Array(0);
+    this.cell = 1;  // pages per square
     this.key = "";
-    this.cell = 8;
+    this.size = 8;  // CSS pixels per square
     this.columns = 1;
     this.slots = [];
     canvas.addEventListener("mousemove", (event) => this.describe(event));
@@ -32,7 +34,8 @@ export class PagePool {
     const key = `${width}:${JSON.stringify(pages.owners)}`;
     if (key === this.key) return;
     this.key = key;
-    this.owners = new Int32Array(pages.total);
+    this.cell = pages.cell;
+    this.owners = new Int32Array(Math.ceil(pages.total / pages.cell));
     let i = 0;
     for (const [owner, count] of pages.owners) { this.owners.fill(owner, i, i + count); i += count; }
     this.draw(width);
@@ -40,34 +43,35 @@ export class PagePool {
 
   draw(width) {
     const n = this.owners.length;
-    this.cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt((width * MAX_HEIGHT) / Math.max(n, 1)))));
-    while (this.cell > 2 && Math.ceil(n / Math.floor(width / this.cell)) * this.cell > MAX_HEIGHT) this.cell--;
-    this.columns = Math.max(1, Math.floor(width / this.cell));
-    const height = Math.max(this.cell, Math.ceil(n / this.columns) * this.cell);
+    this.size = Math.max(2, Math.min(14, Math.floor(Math.sqrt((width * MAX_HEIGHT) / Math.max(n, 1)))));
+    while (this.size > 2 && Math.ceil(n / Math.floor(width / this.size)) * this.size > MAX_HEIGHT) this.size--;
+    this.columns = Math.max(1, Math.floor(width / this.size));
+    const height = Math.max(this.size, Math.ceil(n / this.columns) * this.size);
     const ratio = window.devicePixelRatio || 1;
     this.canvas.style.height = `${height}px`;
     this.canvas.width = Math.round(width * ratio);
     this.canvas.height = Math.round(height * ratio);
     const ctx = this.canvas.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-    const gap = this.cell >= 6 ? 1 : 0;
+    const gap = this.size >= 6 ? 1 : 0;
     let color = null;
     for (let p = 0; p < n; p++) {
       const owner = this.owners[p];
       const c = owner >= 0 ? slotColor(owner) : PAGE_COLORS[owner];
       if (c !== color) { ctx.fillStyle = c; color = c; }
-      ctx.fillRect((p % this.columns) * this.cell, Math.floor(p / this.columns) * this.cell,
-                   this.cell - gap, this.cell - gap);
+      ctx.fillRect((p % this.columns) * this.size, Math.floor(p / this.columns) * this.size,
+                   this.size - gap, this.size - gap);
     }
   }
 
   describe(event) {
     const rect = this.canvas.getBoundingClientRect();
-    const p = Math.floor((event.clientY - rect.top) / this.cell) * this.columns
-      + Math.floor((event.clientX - rect.left) / this.cell);
-    if (p < 0 || p >= this.owners.length) return;
-    const owner = this.owners[p];
+    const i = Math.floor((event.clientY - rect.top) / this.size) * this.columns
+      + Math.floor((event.clientX - rect.left) / this.size);
+    if (i < 0 || i >= this.owners.length) return;
+    const owner = this.owners[i];
     const who = owner >= 0 ? `slot ${owner}: ${this.slots[owner]?.request_id ?? "?"}` : OWNER_NAMES[owner];
-    this.info.textContent = `page ${p + 1}: ${who}`;
+    const pages = this.cell === 1 ? `page ${i + 1}` : `pages ${i * this.cell + 1}–${(i + 1) * this.cell}`;
+    this.info.textContent = `${pages}: ${who}`;
   }
 }
