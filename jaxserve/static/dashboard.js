@@ -91,14 +91,14 @@ function render(state, now) {
 }
 
 function drawCharts(now) {
-  const window = Number($("window").value);
+  const seconds = Number($("window").value);
   const series = (key, color, kind, from = samples) => ({ color, kind, points: from.map((s) => [s.t, s[key]]) });
   drawChart($("chart-kv"), [series("cached", COLORS.cached, "area"), series("used", COLORS.used, "area")],
-            { now, window, yMax: 100, unit: "%" });
+            { now, window: seconds, yMax: 100, unit: "%" });
   drawChart($("chart-requests"), [series("waiting", COLORS.waiting, "line"), series("running", COLORS.running, "line")],
-            { now, window });
+            { now, window: seconds });
   drawChart($("chart-tokens"), [series("tokens", COLORS.prefill, "bars", steps), series("decode", COLORS.decode, "bars", steps)],
-            { now, window, hline: budget });
+            { now, window: seconds, hline: budget });
 }
 
 function legends() {
@@ -113,7 +113,7 @@ function legends() {
 async function describeModel() {
   const models = await getJSON("v1/models");
   const card = models.data[0];
-  $("model").textContent = `${card.id} · ${card.max_model_len} tokens`;
+  $("model").textContent = `${card.id} · context ${card.max_model_len}`;
   $("template-note").textContent = card.chat_template === "model"
     ? "(completions; the model also has a chat template)"
     : `(completions: chat template ${card.chat_template ?? "none"}, likely a base model)`;
