@@ -11,8 +11,8 @@ text is encoded and decoded in the API process, so neither tokenizer work nor HT
 the engine's time or its GIL. Messages are pickled tuples over ZMQ sockets on local IPC paths;
 one message per step keeps the per-token cost out of the channel. Finished requests are released
 from the engine as soon as their last output is sent, so nothing is kept. `call` runs any picklable
-`fn(engine, *args)` on the loop and sends its result back: stats, tests, and later a JSON snapshot
-of the engine's state for a dashboard.
+`fn(engine, *args)` on the loop and sends its result back: stats, tests, and the JSON snapshot
+of the engine's state for the dashboard (engine_state.py).
 """
 
 from __future__ import annotations

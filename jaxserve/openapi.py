@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -144,6 +144,96 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+# ---- GET /v1/engine/state (built by jaxserve/engine_state.py) ----
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SlotState(_Strict):
+    """One batch slot: the request holding it (by id; never its text) and its token counts."""
+
+    slot: int
+    request_id: str | None
+    phase: Literal["prefill", "decode", "free"] = Field(description="prefill while more than one token is left "
+                                                                    "to compute, then decode")
+    num_tokens: int = Field(description="prompt plus output tokens so far")
+    num_computed_tokens: int = Field(description="tokens whose K/V are in the pool")
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    num_cached_tokens: int = Field(description="prompt tokens found in the prefix cache")
+    pages: int = Field(description="KV pages the request holds")
+    age_s: float = Field(description="seconds since the request arrived")
+
+
+class WaitingRequest(_Strict):
+    request_id: str
+    num_tokens: int
+    wait_s: float
+
+
+class PagePool(_Strict):
+    total: int = Field(description="pages in the pool, the null page excluded")
+    free: int
+    cached: int = Field(description="read by no sequence, kept for the prefix cache")
+    used: int = Field(description="read by running sequences")
+    shared: int = Field(description="used pages read by more than one sequence")
+    page_size: int
+    cell: int = Field(description="pages per cell of `owners`: 1 up to 4096 pages, more past that")
+    owners: list[tuple[int, int]] = Field(
+        description="run-length encoded owner of pages 1..total, cell by cell: [owner, count] pairs, where owner "
+                    "is the slot reading the page, -1 free, -2 cached or -3 shared (a cell of several pages shows "
+                    "its busiest: a slot before shared, cached and free)")
+
+
+class StepSample(_Strict):
+    step: int
+    time: float = Field(description="Unix time at dispatch")
+    tokens: int
+    decode_rows: int
+    prefill_tokens: int
+    running: int
+    waiting: int
+    used_pages: int
+    cached_pages: int
+
+
+class EngineState(_Strict):
+    """What the engine is doing now, taken between two steps (no device sync)."""
+
+    model: str
+    strategy: Literal["none", "static", "dynamic", "continuous", "paged"]
+    step: int = Field(description="steps run so far")
+    time: float = Field(description="Unix time of the snapshot")
+    max_slots: int
+    max_model_len: int
+    token_budget: int = Field(description="tokens one step may run")
+    num_running: int
+    num_waiting: int
+    slots: list[SlotState]
+    waiting: list[WaitingRequest] = Field(description="the first 256 waiting requests, in queue order")
+    pages: PagePool
+    history: list[StepSample] = Field(description="the steps after `since` (at most 1024), else the last 64")
+    stats: dict[str, int] = Field(description="Engine.stats()")
+
+
+ENGINE_STATE_QUERY = {"parameters": [{
+    "name": "since", "in": "query", "required": False,
+    "description": "a step number: the history then holds only the steps after it",
+    "schema": {"type": "integer", "minimum": 0}}]}
+
+
+def engine_state_responses(auth: bool) -> dict:
+    return {200: {"model": EngineState, "description": "the snapshot"},
+            400: {"model": ErrorResponse, "description": "`since` is not a step number"},
+            **errors(*([401] if auth else []), 503)}
+
+
+def static_file(media_type: str, what: str) -> dict:
+    return {200: {"description": what, "content": {media_type: {"schema": {"type": "string"}}}}}
 
 
 def _sse(chunk: str) -> dict:

@@ -7,6 +7,8 @@
       ◄─ one list of new token ids per engine step ─► detokenize here ─► JSON, or SSE chunks
     GET /v1/models, /health (503 once the engine has died), /metrics (Prometheus text),
         /openapi.json (request bodies, responses and errors as they are), /docs
+    GET /v1/engine/state ─► EngineClient.call(engine_state): slots, queue, pages, recent steps (JSON)
+    GET /dashboard (jaxserve/dashboard.py): a page that polls /v1/engine/state and draws it
 
 A client that disconnects aborts its requests, so their KV pages are freed at once. Every error
 is an OpenAI envelope `{"error": {"message", "type", "param", "code"}}`, and no request can take
@@ -26,12 +28,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from jaxserve import openapi
+from jaxserve import dashboard, openapi
 from jaxserve.batching import SamplingParams
 from jaxserve.chat_template import HEADER, ChatTemplates
 from jaxserve.completion_job import Job, Payload, param_of
-from jaxserve.engine_client import EngineClient
+from jaxserve.engine_client import EngineClient, EngineDeadError
 from jaxserve.engine_core import EngineFactory
+from jaxserve.engine_state import engine_state
 from jaxserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,20 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
                                             "max_model_len": info.max_model_len, "chat_template": templates.source}]}
+
+    @app.get("/v1/engine/state", dependencies=[Depends(authorize)], openapi_extra=openapi.ENGINE_STATE_QUERY,
+             responses=openapi.engine_state_responses(auth))
+    async def engine_state_route(request: Request):
+        since = request.query_params.get("since")
+        if since is not None and not (since.isascii() and since.isdigit()):
+            raise ApiError(400, "since must be a step number (an integer >= 0)", param="since")
+        try:
+            state = await client.call(engine_state, None if since is None else int(since))
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "server_error")
+        return JSONResponse(state)
+
+    dashboard.add_routes(app, auth)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)],
               openapi_extra=openapi.request_body(CompletionRequest),

@@ -14,7 +14,8 @@ transformers (static padded batches) and llama-cpp-python (batched decoding) as 
 `--long-prompts COUNT:LEN` sends COUNT prompts of LEN tokens once every other request is
 decoding; the ITL columns (inter-token latency p50, p99, max) are those of the other requests.
 `--no-chunked-prefill` adds rows from a second engine that prefills every prompt whole, and
-`--no-prefix-caching` rows with the prefix cache off. `--shared-prefix-len N` gives every prompt
+`--no-prefix-caching` rows with the prefix cache off. `--timeline PNG` draws one panel per run: which
+request held which slot when (prompt chunks hatched), with KV use underneath (scripts/timeline.py). `--shared-prefix-len N` gives every prompt
 the same first N tokens (then `--input-len` tokens of its own) and implies `--no-prefix-caching`.
 The "pad" column is tokens computed (bucket padding included) per real token, "hits" the share of
 prompt tokens found in the prefix cache.
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from step_profile import StepProfile  # noqa: E402
 
 from jaxserve import Engine, EngineConfig, SamplingParams  # noqa: E402
+from timeline import TimelineRecorder, plot_timelines  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -75,8 +77,9 @@ def percentile(values, q):
 
 
 def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: bool = True,
-                 overlap: bool = True) -> dict:
-    """Replays the workload's arrivals against one strategy; returns its row of figures."""
+                 overlap: bool = True, timelines: list | None = None) -> dict:
+    """Replays the workload's arrivals against one strategy; returns its row of figures (and
+    appends the run's slot timeline to `timelines`, if given)."""
     eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
                                enable_prefix_caching=caching, async_scheduling=overlap)
     stats0 = eng.stats()
@@ -88,12 +91,15 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     bar = tqdm(total=len(work.prompts), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
     profile = StepProfile(eng).__enter__()  # host time per step and device idle share
     start = time.monotonic()
+    numbers: dict[str, int] = {}  # request id -> workload index, for the timeline's colours
+    recorder = TimelineRecorder(_label(eng, caching), eng, start, numbers) if timelines is not None else None
 
     def send(payload, group, arrival):
         for i in payload:
             params = SamplingParams(max_tokens=work.output_lens[i], temperature=0, ignore_eos=True)
             ids[i] = eng.add_request(work.prompts[i], params, group=group, arrival_time=arrival)
             token_times[ids[i]] = []
+            numbers[ids[i]] = i
 
     while next_i < len(order) or eng.has_unfinished() or not late_sent:
         now = time.monotonic() - start
@@ -113,9 +119,13 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         if not eng.has_unfinished():
             time.sleep(max(0.0, min(0.01, work.arrivals[order[min(next_i, len(order) - 1)]] - now)))
             continue
+        if recorder:
+            recorder.before_step(eng)
         t0 = time.monotonic()
         done = eng.step()
         t1 = time.monotonic()
+        if recorder:
+            recorder.after_step(eng, t0, t1, done)
         running = eng.scheduler.running
         for r in running + done:
             times = token_times[r.request_id]
@@ -141,10 +151,11 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     stats = eng.stats()
     assert stats["used_pages"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], \
         "KV pages leaked"
-    label = strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
     queries = stats["prefix_cache_queries"] - stats0["prefix_cache_queries"]
+    if recorder:
+        timelines.append(recorder.timeline)
     return {
-        "strategy": label + ("" if caching else " (no prefix caching)") + ("" if overlap else " (steps in order)"),
+        "strategy": _label(eng, caching),
         "requests_per_s": len(requests) / makespan,
         "output_tokens_per_s": out_tokens / makespan,
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
@@ -162,6 +173,11 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         "compiles_during_run": stats["num_compiles"] - stats0["num_compiles"],
         "makespan_s": makespan,
     }
+
+
+def _label(eng: Engine, caching: bool) -> str:
+    return (eng.config.strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
+            + ("" if caching else " (no prefix caching)") + ("" if eng.config.async_scheduling else " (steps in order)"))
 
 
 def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
@@ -271,7 +287,7 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> tuple[list[dict], list | None]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
     p.add_argument("--num-requests", type=int, default=64)
@@ -299,12 +315,14 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--timeline", default=None, metavar="PNG", help="slot timelines of every run, one panel each")
     args = p.parse_args(argv)
 
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
                           kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens)
     engines = [config] + ([config.replace(enable_chunked_prefill=False)] if args.no_chunked_prefill else [])
     rows, compile_s = [], 0.0
+    timelines = [] if args.timeline else None
     for config in engines:
         t0 = time.monotonic()
         engine = Engine.from_pretrained(args.model, config)
@@ -317,11 +335,11 @@ def main(argv=None) -> None:
               f"{engine.config.page_size} tokens; chunked prefill {config.enable_chunked_prefill}", file=sys.stderr)
         work = make_workload(args, engine.model_config.vocab_size)
         for s in filter(None, args.strategies.split(",")):
-            rows.append(run_strategy(engine, s, work, args))
+            rows.append(run_strategy(engine, s, work, args, timelines=timelines))
             if args.no_prefix_caching or args.shared_prefix_len:
-                rows.append(run_strategy(engine, s, work, args, caching=False))
+                rows.append(run_strategy(engine, s, work, args, caching=False, timelines=timelines))
             if args.no_async_scheduling:
-                rows.append(run_strategy(engine, s, work, args, overlap=False))
+                rows.append(run_strategy(engine, s, work, args, overlap=False, timelines=timelines))
     peers = [p for p in args.peer.split(",") if p]
     if "hf" in peers:
         rows.append(run_hf_peer(args.model, work, args))
@@ -350,6 +368,9 @@ def main(argv=None) -> None:
                        "load_s": load_s, "compile_s": compile_s, "results": rows, "sweep": sweep}, f, indent=2)
     if args.plot:
         plot(rows, sweep, args.plot)
+    if args.timeline:
+        plot_timelines(timelines, args.timeline)
+    return rows, timelines
 
 
 if __name__ == "__main__":

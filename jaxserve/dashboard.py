@@ -1,0 +1,60 @@
+"""The live dashboard: hand-written HTML, CSS and JS in jaxserve/static/, served by the API process.
+
+    GET /dashboard                   dashboard.html (told whether the server wants an API key)
+    GET /dashboard/dashboard.js      polls GET /v1/engine/state 4 times a second; with its modules
+        (api, charts, pool, slots, prompt .js) it draws the slots, the page pool, the queue and
+        charts, and streams the answer to a prompt
+    GET /dashboard/dashboard.css
+
+The page itself holds no engine data, so it is served without the key; it asks for the key when
+the server has one and sends it with every API call. A strict Content-Security-Policy lets the
+page load only its own files and talk only to this server: it works offline, and nothing it
+shows can run as script.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from jaxserve import openapi
+
+JS, CSS = "text/javascript; charset=utf-8", "text/css; charset=utf-8"
+# dashboard.js is the entry point; it imports the others as ES modules (no build step)
+FILES = {"dashboard.css": CSS, "dashboard.js": JS, "api.js": JS, "charts.js": JS, "pool.js": JS, "prompt.js": JS,
+         "slots.js": JS}
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def read(name: str) -> bytes:
+    """One of the dashboard's files, from the installed package."""
+    return (importlib.resources.files("jaxserve") / "static" / name).read_bytes()
+
+
+def add_routes(app: FastAPI, auth: bool) -> None:
+    """Serves the dashboard on `app`; `auth`: the server wants an API key."""
+    page = read("dashboard.html").replace(b"{{AUTH}}", b"required" if auth else b"none")
+    assets = {name: read(name) for name in FILES}
+
+    @app.get("/dashboard", response_class=Response, responses=openapi.static_file(
+        "text/html", "the live dashboard of the engine (slots, KV pages, queue, charts, a prompt form)"))
+    async def dashboard():
+        return Response(page, media_type="text/html; charset=utf-8", headers=HEADERS)
+
+    for name, media_type in FILES.items():
+        _asset_route(app, name, media_type, assets[name])
+
+
+def _asset_route(app: FastAPI, name: str, media_type: str, body: bytes) -> None:
+    @app.get(f"/dashboard/{name}", response_class=Response,
+             responses=openapi.static_file(media_type.split(";")[0], f"the dashboard's {name}"))
+    async def asset():
+        return Response(body, media_type=media_type, headers=HEADERS)
