@@ -304,6 +304,8 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     p.add_argument("--max-batch-delay-ms", type=float, default=50.0)
     p.add_argument("--long-prompts", type=parse_range, default=None, metavar="COUNT:LEN",
                    help="COUNT prompts of LEN tokens, sent once every other request is decoding")
+    p.add_argument("--dtype", default=EngineConfig.dtype, help="weights (auto: bfloat16)")
+    p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="token budget of a step")
     p.add_argument("--no-chunked-prefill", action="store_true",
@@ -319,7 +321,8 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     args = p.parse_args(argv)
 
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
-                          kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens)
+                          kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens,
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     engines = [config] + ([config.replace(enable_chunked_prefill=False)] if args.no_chunked_prefill else [])
     rows, compile_s = [], 0.0
     timelines = [] if args.timeline else None
