@@ -139,8 +139,8 @@ def run(args) -> dict:
     kernel = args.kernel if args.kernel != "auto" else ("tpu" if platform == "tpu" else "gpu")
     dtype = jnp.dtype(args.dtype)
     grid = QUICK_GRID if args.quick else FULL_GRID
-    tuning = {k: v for k, v in (("block_q", args.block_q), ("pages_per_block", args.pages_per_block))
-              if v is not None}
+    tuning = {k: v for k, v in (("block_q", args.block_q), ("pages_per_block", args.pages_per_block),
+                                ("kv_splits", args.kv_splits)) if v is not None}
     copy_bytes = (64 << 20) if (args.quick or platform == "cpu") else (1 << 30)
     peak = copy_bandwidth(copy_bytes, args.iters)
     device = jax.devices()[0].device_kind
@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-q", type=int, default=None, help="kernel tuning: tokens per program")
     parser.add_argument("--pages-per-block", type=int, default=None,
                         help="kernel tuning: pages per key block")
+    parser.add_argument("--kv-splits", type=int, default=None,
+                        help="GPU kernel tuning: programs sharing one query block's keys (default: auto)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed calls per point (default 3 quick, 20 full)")
     parser.add_argument("--json", type=Path, default=None, help="write results to this file")

@@ -7,6 +7,7 @@ bfloat16 and float32 queries over a bfloat16 pool, padding sequences of length 0
 tokens, a real sequence with no rows this step, and a pairwise sweep of page size x head_dim x
 GQA. Block sizes are set small in most cases so query blocks span several sequences and sequences
 span several blocks. The TPU interpreter fills fresh VMEM with NaN, so a stale buffer read shows.
+On a GPU, the GPU kernel's cases run compiled instead of interpreted.
 Lowering: `jax.export` for CUDA (a Triton call) and for TPU v5e and v6e (a Mosaic call, the chip
 pinned); with libtpu installed, a deviceless compile runs Mosaic itself.
 Tolerances: float32 2e-5; bfloat16 2e-2 (bf16 probabilities into the P.V dot, bf16 output).
@@ -50,6 +51,12 @@ def _quick_compiles():
     jax.config.update("jax_disable_most_optimizations", saved)
 
 
+def interpret(kernel) -> bool:
+    """Interpret mode unless the kernel's own accelerator is here: on a GPU machine the same tests
+    run the Triton kernel for real (the TPU kernel stays interpreted there)."""
+    return jax.default_backend() != kernel
+
+
 def bucketed(seed, seqs, page_size=8, **kw):
     """`make_case` padded to the bucket: padding tokens, zero-length sequences, spare pages."""
     rows = sum(n for _, n in seqs)
@@ -72,7 +79,7 @@ def run(kernel, args, tuning=None, reference=True, **options):
     the float64 oracle and (unless `reference=False`) the jnp reference; returns it as float64."""
     dtype = args[0].dtype
     tuning = small(kernel, args) if tuning is None else tuning
-    out = KERNELS[kernel](*args, interpret=True, **tuning, **options)
+    out = KERNELS[kernel](*args, interpret=interpret(kernel), **tuning, **options)
     assert out.dtype == dtype and out.shape == args[0].shape
     got = np.asarray(out, np.float64)
     assert np.isfinite(got).all()
@@ -108,7 +115,7 @@ def test_query_and_pool_dtypes_differ(kernel, q_dtype, kv_dtype):
     the pool's dtype for their dots and answer in q's dtype."""
     q, k, v, *meta = bucketed(17, CASES["mixed"] + CASES["decode"][:2])
     args = (q.astype(q_dtype), k.astype(kv_dtype), v.astype(kv_dtype), *meta)
-    out = KERNELS[kernel](*args, interpret=True, sliding_window=7, **small(kernel, args))
+    out = KERNELS[kernel](*args, interpret=interpret(kernel), sliding_window=7, **small(kernel, args))
     assert out.dtype == q_dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle(*args, sliding_window=7),
                                atol=2e-2, rtol=2e-2)
@@ -147,7 +154,7 @@ def test_padding_and_rowless_sequences_inside_jit(kernel):
     from inside jit with traced metadata, as the engine's step does."""
     seqs = [(5, 3), (10, 0), (0, 4), (12, 1), (9, 6)]
     q, k, v, lens, tables, starts, _ = bucketed(5, seqs)
-    step = jax.jit(lambda *a: KERNELS[kernel](*a, interpret=True, **small(kernel, (q, k))))
+    step = jax.jit(lambda *a: KERNELS[kernel](*a, interpret=interpret(kernel), **small(kernel, (q, k))))
     for n in (5, 3, 0):  # at 3, sequences 3 and 4 become padding
         args = (q, k, v, lens, tables, starts, jnp.asarray([n], jnp.int32))
         out = np.asarray(step(*args), np.float64)
@@ -169,6 +176,20 @@ def test_block_sizes_do_not_change_the_answer(kernel):
     outs = [run(kernel, args, tuning=t, sliding_window=20)
             for t in (dict(block_q=8, pages_per_block=2), dict(block_q=16, pages_per_block=4))]
     np.testing.assert_allclose(outs[0], outs[1], atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_kv_splits_merge_to_the_same_answer(dtype):
+    """The GPU kernel's kv splits (flash-decoding) over every named batch and a sliding window:
+    3 splits leave some splits empty for short sequences; a split of a chunk's keys merges into the
+    same softmax; rows that see no key stay zero."""
+    for name in sorted(CASES):
+        args = bucketed(len(name) + 1, CASES[name], dtype=dtype)
+        whole = run("gpu", args, sliding_window=11)
+        for splits in (2, 3):
+            split = run("gpu", args, tuning=dict(small("gpu", args), kv_splits=splits), sliding_window=11)
+            np.testing.assert_allclose(split, whole, atol=TOL[jnp.dtype(dtype).name])
+            assert np.all(split[real_rows(args):] == 0), name
 
 
 def test_tpu_dma_chain_has_no_races_on_two_cores():
@@ -225,7 +246,8 @@ def test_matches_jax_shipped_gpu_paged_attention_on_decode():
                                                  group=8, head_dim=64, page_size=16, pad_tokens=0,
                                                  pad_seqs=0, width=4)
     q = q / math.sqrt(64)  # moderate logits with sm_scale=1
-    with warnings.catch_warnings():
+    # Both interpreted; their jnp dots would default to TF32 on a GPU.
+    with warnings.catch_warnings(), jax.default_matmul_precision("highest"):
         warnings.simplefilter("ignore")
         theirs = shipped.paged_attention(q, k, v, tables, lens, block_h=16,
                                          pages_per_compute_block=2, k_splits=2, interpret=True)

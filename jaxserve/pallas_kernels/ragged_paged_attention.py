@@ -9,7 +9,7 @@ position `kv_lens[s] - q_len[s] + i` and sees the keys at positions `<= own` (an
 Rows owned by no real sequence (s >= num_seqs[0], token padding) and rows that see no key are zeros.
 
 How the kernel splits the work. The flat token axis is cut into blocks of `block_q` rows; the grid
-is (query block, kv head). A program folds the G query heads that share its kv head into its rows
+is (query block, kv head, kv split). A program folds the G query heads that share its kv head into its rows
 (G padded to a power of two, head-major: row r = g * Q + t), so every key block it loads serves all
 of them. Before the call the wrapper finds, with `searchsorted` on `query_start`, the first and last
 real sequence overlapping each block. The program loops over those sequences and, for each, over
@@ -18,7 +18,10 @@ the sliding-window start of its first row), folding them into one float32 online
 rows. Rows of other sequences are masked out of a sequence's scores, which leaves their running
 softmax state exactly unchanged, so one state serves every sequence of the block and each output
 row is written once. A decode-only block of Q sequences runs Q short key loops; a prompt chunk runs
-a causal flash-attention; a mixed block does both, in one launch.
+a causal flash-attention; a mixed block does both, in one launch. A decode step has few query
+blocks, so the grid has a third axis, C kv splits (flash-decoding): split c takes the c-th share of
+each sequence's key blocks and writes its output with the log-sum-exp of its scores, and a jnp
+merge weighs the splits into one softmax (C = 1 writes the output directly).
 
 Why this GPU lowering. Pallas has two GPU back ends. In jax 0.10.x a bare `pl.pallas_call` lowers
 to Mosaic GPU by default, and in 0.11.x `pl.pallas_call` for Mosaic GPU is deprecated in favour of
@@ -35,7 +38,8 @@ columns, so R >= 16, keys per block L >= 16 and D >= 16.
 Legend: T tokens (T' padded to whole query blocks), H query heads, N kv heads, G = H / N, G' = G
 padded to a power of two, D head dim, M pool pages, P page size, S sequences (real + padding),
 W pages per sequence (W' padded to whole key blocks), B pages per key block, L = B P keys per
-block, Q query rows (tokens) per block, R = Q G' kernel rows per block, K query blocks (T' / Q).
+block, Q query rows (tokens) per block, R = Q G' kernel rows per block, K query blocks (T' / Q),
+C kv splits.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 MIN_DOT = 16  # Triton's smallest dot operand dimension
 ROWS_PER_BLOCK = 32  # default R: Q = 32 // G' tokens per program (more programs for decode)
 KEYS_PER_BLOCK = 64  # default L (at least one page)
+PROGRAMS = 512  # default kv splits aim for this many programs (a few per multiprocessor)
 
 # ----------------------------------------------------------------------------------------------
 # Kernel: one program per (query block, kv head)
@@ -71,10 +76,11 @@ def _ragged_kernel(
     q_ref,  # [R, D]: Q tokens x G' heads of this kv head, row r = g * Q + t
     k_ref,  # [M, P, D]: this kv head's key pages
     v_ref,  # [M, P, D]: this kv head's value pages
-    o_ref,  # [R, D]
-    *,
+    o_ref,  # [R, D]: this split's output (normalized over its keys)
+    *lse_ref,  # with kv splits: [R] float32 log-sum-exp of this split's scores (NEG: none seen)
     block_q: int,
     pages_per_block: int,
+    kv_splits: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -84,6 +90,7 @@ def _ragged_kernel(
     keys = pages_per_block * page_size  # L
     max_blocks = tables_ref.shape[1] // pages_per_block
     row0 = pl.program_id(0) * block_q  # flat token index of the block's first row
+    split = pl.program_id(2)  # read here: interpret mode cannot read it inside the loops
     token = row0 + jnp.arange(rows, dtype=jnp.int32) % block_q  # [R]: flat token of each row
     q = q_ref[...]  # [R, D]
     precision = _dot_precision(q.dtype)
@@ -100,6 +107,10 @@ def _ragged_kernel(
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.minimum(jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0) // keys, hi)
+        if kv_splits > 1:  # this program's share of those key blocks
+            share = (hi - lo + kv_splits - 1) // kv_splits
+            lo = jnp.minimum(lo + split * share, hi)
+            hi = jnp.minimum(lo + share, hi)
 
         def key_block(b, carry):
             page_ids = tables_ref[s, pl.ds(b * pages_per_block, pages_per_block)]  # [B]
@@ -118,8 +129,17 @@ def _ragged_kernel(
         return lax.fori_loop(lo, hi, key_block, carry)
 
     init = online_softmax_init(rows, head_dim)
-    acc, _, l = lax.fori_loop(first_ref[0], last_ref[0] + 1, sequence, init)
+    acc, m, l = lax.fori_loop(first_ref[0], last_ref[0] + 1, sequence, init)
     o_ref[...] = online_softmax_result(acc, l).astype(o_ref.dtype)
+    if lse_ref:
+        lse_ref[0][...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG)
+
+
+def merge_splits(out, lse):
+    """Combines per-split outputs [C, ...rows, D] (each normalized over its own keys) by their
+    log-sum-exps [C, ...rows] into one softmax over all keys; rows no split saw stay zero."""
+    weight = jnp.exp(lse - lse.max(axis=0))  # [C, ...rows]: each split's share of the row's mass
+    return (weight[..., None] * out).sum(axis=0) / weight.sum(axis=0)[..., None]
 
 
 def online_softmax_init(rows: int, head_dim: int):
@@ -171,6 +191,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    kv_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:  # [T, H, D]
@@ -179,7 +200,10 @@ def ragged_paged_attention(
     Tuning: `block_q` query tokens per program (power of two; default so a program has
     `ROWS_PER_BLOCK` = 32 rows of tokens x padded heads, and at least 16), `pages_per_block` pages
     per key block (power of two; default so a block holds `KEYS_PER_BLOCK` = 64 keys, at least one
-    page), Triton's `num_warps` and `num_stages`. `interpret=True` runs it on CPU.
+    page), `kv_splits` programs sharing each (query block, kv head)'s keys (flash-decoding: a
+    decode step has few query blocks, so without splits most of the GPU idles; default: enough
+    splits for about `PROGRAMS` programs, 1 in interpret mode), Triton's `num_warps` and
+    `num_stages`. `interpret=True` runs it on CPU.
     q may be float32 over a bfloat16 pool: the dots run in the pool's dtype, the output is in q's.
     Raises ValueError on bad shapes, dtypes or options (`check_ragged_inputs`), on a page size or
     head dim that is not a power of two (head dim >= 16), on fewer than 16 rows or keys per
@@ -202,23 +226,26 @@ def ragged_paged_attention(
         raise ValueError(f"{name}: a program needs >= {MIN_DOT} rows (block_q {block_q} x padded "
                          f"group {group_p}) and >= {MIN_DOT} keys per block (pages_per_block "
                          f"{pages_per_block} x page_size {page_size}) for Triton dots")
-    for what, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+    if kv_splits is None:
+        blocks = -(-q.shape[0] // block_q) * kv_heads
+        kv_splits = 1 if interpret else max(1, min(PROGRAMS // blocks, -(-block_tables.shape[1] // pages_per_block)))
+    for what, value in (("num_warps", num_warps), ("num_stages", num_stages), ("kv_splits", kv_splits)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {what} must be a positive int, got {value!r}")
     return _ragged_jit(
         q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
         sm_scale=resolve_scale(sm_scale, head_dim), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), block_q=block_q,
-        pages_per_block=pages_per_block, interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages)
+        pages_per_block=pages_per_block, kv_splits=kv_splits, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
-                                             "pages_per_block", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "pages_per_block", "kv_splits", "interpret",
+                                             "num_warps", "num_stages"))
 def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
-                sliding_window, soft_cap, block_q, pages_per_block, interpret, num_warps,
-                num_stages):
+                sliding_window, soft_cap, block_q, pages_per_block, kv_splits, interpret,
+                num_warps, num_stages):
     tokens, heads, head_dim = q.shape
     kv_heads, num_pages, page_size, _ = k_pages.shape
     group_p = next_pow2(heads // kv_heads)
@@ -232,29 +259,37 @@ def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seq
     seqs, width = tables.shape
 
     kernel = functools.partial(_ragged_kernel, block_q=block_q, pages_per_block=pages_per_block,
-                               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))  # noqa: E731
-    pages = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
+                               kv_splits=kv_splits, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h, c: (0,) * len(shape))  # noqa: E731
+    pages = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, c: (h, 0, 0, 0))
+    # One split writes the output directly; several write float32 partials merged below.
+    out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda i, h, c: (c, h, i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((kv_splits, *q_rows.shape), q.dtype if kv_splits == 1 else jnp.float32)]
+    if kv_splits > 1:
+        out_specs.append(pl.BlockSpec((None, None, rows), lambda i, h, c: (c, h, i)))
+        out_shape.append(jax.ShapeDtypeStruct((kv_splits, *q_rows.shape[:2]), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(num_blocks, kv_heads),
+        grid=(num_blocks, kv_heads, kv_splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, h: (i,)),  # first
-            pl.BlockSpec((1,), lambda i, h: (i,)),  # last
+            pl.BlockSpec((1,), lambda i, h, c: (i,)),  # first
+            pl.BlockSpec((1,), lambda i, h, c: (i,)),  # last
             whole((seqs,)),  # kv_lens
             whole((seqs + 1,)),  # query_start
             whole((seqs, width)),  # tables
-            pl.BlockSpec((None, rows, head_dim), lambda i, h: (h, i, 0)),  # q
+            pl.BlockSpec((None, rows, head_dim), lambda i, h, c: (h, i, 0)),  # q
             pages,  # k
             pages,  # v
         ],
-        out_specs=pl.BlockSpec((None, rows, head_dim), lambda i, h: (h, i, 0)),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
     )(first, last, kv_lens, query_start, tables, q_rows, k_pages, v_pages)
-    return from_block_rows(out, tokens, heads, block_q, group_p)
+    merged = out[0][0] if kv_splits == 1 else merge_splits(*out).astype(q.dtype)
+    return from_block_rows(merged, tokens, heads, block_q, group_p)
 
 
 # Helpers shared with the TPU variant.
