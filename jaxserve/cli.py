@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import time
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
+from jaxserve.engine_args import add_engine_args, engine_config_from_args, on_off
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None)
+    srv.add_argument("--warmup", type=on_off, default=True, metavar="on|off",
+                     help="compile every step shape before accepting requests (default on; later starts "
+                          "load them from jax's persistent cache)")
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
                           "checkpoint converted without it)")

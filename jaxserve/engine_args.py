@@ -27,7 +27,7 @@ def _mib(text: str) -> int:
     return int(text) << 20
 
 
-def _on_off(text: str) -> bool:
+def on_off(text: str) -> bool:
     if text.lower() in ("on", "true", "1", "yes"):
         return True
     if text.lower() in ("off", "false", "0", "no"):
@@ -54,9 +54,9 @@ _OPTIONS = (
     _Option("--dtype", "dtype", "weights (auto: bfloat16 with float32 accumulation)", str, DTYPES),
     _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
     _Option("--max-num-batched-tokens", "max_num_batched_tokens", "token budget of one step"),
-    _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", _on_off),
-    _Option("--prefix-caching", "enable_prefix_caching", "share prompts' common leading pages (on/off)", _on_off),
-    _Option("--async-scheduling", "async_scheduling", "schedule step N+1 while step N runs (on/off)", _on_off),
+    _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", on_off),
+    _Option("--prefix-caching", "enable_prefix_caching", "share prompts' common leading pages (on/off)", on_off),
+    _Option("--async-scheduling", "async_scheduling", "schedule step N+1 while step N runs (on/off)", on_off),
     _Option("--attention-backend", "attention_backend", "attention implementation", str, BACKENDS),
     _Option("--batch-size", "batch_size", "dynamic batching: requests per batch"),
     _Option("--max-batch-delay-ms", "max_batch_delay_ms", "dynamic batching: wait for a batch to fill", float),

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import time
 from typing import Any, Callable
 
 import zmq
@@ -32,15 +33,23 @@ _FILL_WAIT_S = 0.001  # a dynamic batch is filling: wait this long for commands 
 
 @dataclasses.dataclass(frozen=True)
 class EngineFactory:
-    """What the engine process builds: `Engine.from_pretrained(model, config)`. Picklable, so the
-    engine is built in the new process rather than forked from one that already started jax."""
+    """What the engine process builds: `Engine.from_pretrained(model, config)`, with every step
+    shape compiled before it reports ready if `warmup` (so no request waits for a compile; later
+    starts load them from jax's persistent cache). Picklable, so the engine is built in the new
+    process rather than forked from one that already started jax."""
 
     model: str | None = None
     config: Any = None  # EngineConfig
+    warmup: bool = False
 
     def __call__(self):
         from jaxserve.engine import Engine
-        return Engine.from_pretrained(self.model, self.config)
+        engine = Engine.from_pretrained(self.model, self.config)
+        if self.warmup:
+            start = time.perf_counter()
+            shapes = engine.runner.warmup()
+            log.info("compiled %d step shapes in %.1f s", shapes, time.perf_counter() - start)
+        return engine
 
 
 @dataclasses.dataclass(frozen=True)

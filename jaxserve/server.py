@@ -268,7 +268,7 @@ def run(args) -> None:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     config = engine_config_from_args(args)
     start = time.perf_counter()
-    client = EngineClient.spawn(EngineFactory(args.model, config))
+    client = EngineClient.spawn(EngineFactory(args.model, config, warmup=args.warmup))
     log.info("engine process ready (%s) in %.1f s", client.info.model_name, time.perf_counter() - start)
     try:
         app = create_app(client, api_key=args.api_key, chat_template=args.chat_template)

@@ -50,12 +50,20 @@ class Workload:
     late: list[int] = dataclasses.field(default_factory=list)  # sent once every other request decodes
 
 
+def held_tokens(running, page_size: int) -> int:
+    """Tokens held in the pool by the running requests, a page shared by several counted once."""
+    filled: dict[int, int] = {}
+    for r in running:
+        for i, page in enumerate(r.pages):
+            filled[page] = max(filled.get(page, 0), min(page_size, r.num_tokens - i * page_size), 0)
+    return sum(filled.values())
+
+
 def make_workload(args, vocab_size: int) -> Workload:
     rng = np.random.default_rng(args.seed)
     lo, hi = args.input_len
     olo, ohi = args.output_len
     n = args.num_requests
-    # Ordinary-vocabulary ids: skip the low ids where special tokens live.
     words = (min(1000, vocab_size // 4), min(vocab_size, 200_000))  # skip the low ids where special tokens live
     prefix = rng.integers(*words, size=args.shared_prefix_len).tolist()
     prompts = [prefix + rng.integers(*words, size=rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
@@ -133,7 +141,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         peak = max(peak, len(running))
         reserved = eng.blocks.used_pages * page_size
         if reserved:
-            kv_weighted += (t1 - t0) * sum(r.num_tokens for r in running) / reserved
+            kv_weighted += (t1 - t0) * held_tokens(running, page_size) / reserved
             kv_time += t1 - t0
         bar.update(len(done))
         if eng.idle:

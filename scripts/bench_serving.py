@@ -3,7 +3,8 @@
 A closed loop keeps --concurrency requests in flight: each time one finishes, the next starts.
 Every request has a --prompt-tokens prompt (random words cut to that many tokens, BOS included)
 and generates exactly --output-tokens tokens (greedy, ignore_eos). Both runs use the same engine
-options and the same prompts, after a warm-up of --warmup requests each; with --rounds N they
+options and the same prompts, with every step shape compiled first (in-process `warmup()`, and
+`jaxserve serve` does it before it answers), after a warm-up of --warmup requests each; with --rounds N they
 alternate N times (both engines stay loaded), so a change in the machine's load hits both alike:
 
   in-process: Engine.from_pretrained(...) in this process, add_request / step;
@@ -220,6 +221,7 @@ def main(argv=None) -> None:
 
     from jaxserve.engine import Engine
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
+    engine.runner.warmup()  # every step shape, as `jaxserve serve` compiles them before it answers
     prompts = make_prompts(engine.tokenizer, args.warmup + args.requests, args.prompt_tokens, args.prompt_seed)
     proc, url = None, args.url
     if args.mode in ("both", "http") and url is None:

@@ -162,8 +162,10 @@ def test_missing_model_path_is_named(tmp_path):
         Engine.from_pretrained(str(tmp_path / "nope"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_pallas_backend_in_interpret_mode_gives_the_same_tokens(checkpoints, kind):
+def test_pallas_backend_in_interpret_mode_gives_the_same_tokens(checkpoints):
+    """Gemma 3 only (sliding window, QK-norm, GQA): the kernel tests cover the plainer models'
+    attention; this checks the kernel wired into the engine's step."""
+    kind = "gemma3"
     config = EngineConfig(max_slots=4, page_size=8, num_pages=32, max_model_len=64, dtype="float32")
     work = prompts(4, seed=3)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # gemma3's window is 8: crossed
