@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 import httpx
 import psutil
 import pytest
+from server_helpers import metrics, wait_idle
 
 MAX_MODEL_LEN = 256
 HERE = os.path.dirname(__file__)
@@ -76,22 +76,6 @@ def serve(checkpoints, tmp_path_factory):
     s.close()
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M)}
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if m["jaxserve_kv_pages_used"] == 0 and m["jaxserve_num_requests_running"] == 0 \
-                and m["jaxserve_num_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"KV pages still held: {m['jaxserve_kv_pages_used']}"
-        time.sleep(0.05)
-
-
 def offline_env(**extra) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "NO_COLOR": "1", **extra}
@@ -112,7 +96,7 @@ def test_guidellm_concurrent_run_has_no_errors(serve, checkpoints, tmp_path):
     state = bench["scheduler_state"]
     assert state["successful_requests"] == 16 and state["errored_requests"] == 0, state
     assert bench["metrics"]["output_token_count"]["successful"]["mean"] > 0
-    wait_idle(serve.url)
+    wait_idle(serve, timeout=30)
 
 
 def test_schemathesis_all_checks_pass(serve, tmp_path):
@@ -125,17 +109,17 @@ def test_schemathesis_all_checks_pass(serve, tmp_path):
         env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert httpx.get(serve.url + "/health").status_code == 200
-    wait_idle(serve.url)
+    wait_idle(serve, timeout=30)
 
 
 def test_disconnect_frees_pages_across_processes(serve):
-    before = metrics(serve.url).get('jaxserve_requests_finished_total{finish_reason="abort"}', 0)
+    before = metrics(serve).get('jaxserve_requests_finished_total{finish_reason="abort"}', 0)
     body = {"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=serve.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-    m = wait_idle(serve.url)
+    m = wait_idle(serve, timeout=30)
     assert m['jaxserve_requests_finished_total{finish_reason="abort"}'] == before + 1
 
 
@@ -159,7 +143,7 @@ def test_64_concurrent_streams_lose_nothing(serve):
         async with httpx.AsyncClient(base_url=serve.url, limits=limits, timeout=300) as c:
             return await asyncio.gather(*(one(c, i) for i in range(64)))
     assert all(asyncio.run(go()))
-    assert wait_idle(serve.url)["jaxserve_kv_pages_used"] == 0
+    assert wait_idle(serve, timeout=30)["jaxserve_kv_pages_used"] == 0
 
 
 def test_engine_process_death_makes_health_503(checkpoints, tmp_path):
