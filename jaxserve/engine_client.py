@@ -224,10 +224,14 @@ class EngineClient:
         except (zmq.Again, zmq.ContextTerminated, zmq.ZMQError) as e:
             raise EngineDeadError(f"the engine cannot be reached ({e})") from None
 
+    @property
+    def not_running_message(self) -> str:
+        """Why requests are refused, once not alive (the cause may reach us a moment after the death)."""
+        return f"the engine is not running ({self.error})" if self.error else "the engine is not running"
+
     def _check_alive(self) -> None:
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running ({self.error})" if self.error
-                                  else "the engine is not running")
+            raise EngineDeadError(self.not_running_message)
 
     # ---- receiver thread ----
 

@@ -29,6 +29,11 @@ import zmq
 log = logging.getLogger(__name__)
 
 _FILL_WAIT_S = 0.001  # a dynamic batch is filling: wait this long for commands instead of spinning
+# Requests just finished and nobody waits for their slots: wait up to this long (and at most half
+# a step) for their clients' next requests (a closed loop, a chat's next turn) before planning a
+# step, so they join it instead of the one after. With async scheduling the device is busy with
+# the step already dispatched meanwhile, so the wait costs nothing while it is shorter than a step.
+_REFILL_WAIT_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,25 +143,34 @@ class _Core:
     def loop(self, commands: zmq.Socket) -> None:
         engine = self.engine
         fill_wait = False  # the last step ran nothing while requests waited (a batch is filling)
+        refill, refill_wait = 0, 0.0  # requests that finished in the last step, with free slots
         while not self.stopping:
-            if engine.has_unfinished():
-                commands_now = _receive(commands, _FILL_WAIT_S if fill_wait else 0)
-            else:  # nothing to do: wait for a command, looking up once a second
-                commands_now = _receive(commands, 1.0)
-                if not commands_now:
-                    if self.orphaned():
-                        log.warning("the API process is gone: the engine stops")
-                        return
-                    continue
+            busy = engine.has_unfinished()
+            if refill:
+                commands_now = _receive(commands, refill_wait, want=refill)
+            else:  # idle: wait for a command, looking up once a second
+                commands_now = _receive(commands, (_FILL_WAIT_S if fill_wait else 0) if busy else 1.0)
+            refill = 0
+            if not busy and not commands_now:
+                if self.orphaned():
+                    log.warning("the API process is gone: the engine stops")
+                    return
+                continue
             replies = self.handle(commands_now)
             if replies:
                 self._send(("batch", replies, [], None))
             if self.stopping:
                 break
+            finished, step_s = 0, 0.0
             if engine.has_unfinished():
-                engine.step()
+                start = time.perf_counter()
+                finished = len(engine.step())
+                step_s = time.perf_counter() - start
                 fill_wait = engine.idle and engine.stats().get("waiting", 0) > 0
-            self._send(("batch", [], self.collect(), engine.stats()))
+            stats = engine.stats()
+            self._send(("batch", [], self.collect(), stats))
+            refill = 0 if stats.get("waiting", 0) else finished
+            refill_wait = min(_REFILL_WAIT_S, step_s / 2)
         self.abort_all()
 
     def handle(self, commands: list[tuple]) -> list[tuple]:
@@ -231,15 +245,18 @@ class _Core:
         self.outputs.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _receive(sock: zmq.Socket, timeout: float) -> list[tuple]:
-    """Every command already queued, after waiting up to `timeout` seconds for one."""
-    if timeout and not sock.poll(max(1, int(timeout * 1000))):
-        return []
+def _receive(sock: zmq.Socket, timeout: float, want: int = 1) -> list[tuple]:
+    """Every command already queued, after waiting up to `timeout` seconds for `want` of them."""
+    deadline = time.monotonic() + timeout
     commands = []
     while True:
         try:
             commands.append(pickle.loads(sock.recv(zmq.NOBLOCK)))
+            continue
         except zmq.Again:
+            pass
+        left = deadline - time.monotonic()
+        if len(commands) >= want or left <= 0 or not sock.poll(max(1, int(left * 1000))):
             return commands
 
 

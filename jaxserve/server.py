@@ -117,7 +117,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
     @app.get("/health", response_model=openapi.Health, responses=openapi.errors(503))
     async def health():
         if not client.alive:
-            raise ApiError(503, f"the engine is not running ({client.error})", "server_error")
+            raise ApiError(503, client.not_running_message, "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
