@@ -29,11 +29,13 @@ import zmq
 log = logging.getLogger(__name__)
 
 _FILL_WAIT_S = 0.001  # a dynamic batch is filling: wait this long for commands instead of spinning
-# Requests just finished and nobody waits for their slots: wait up to this long (and at most half
-# a step) for their clients' next requests (a closed loop, a chat's next turn) before planning a
-# step, so they join it instead of the one after. With async scheduling the device is busy with
-# the step already dispatched meanwhile, so the wait costs nothing while it is shorter than a step.
-_REFILL_WAIT_S = 0.02
+# Requests just finished and nobody waits for their slots: before planning the next step, wait a
+# moment (their clients' round trip, 5-20 ms here) for their clients' next requests (a closed loop,
+# a chat's next turn), so that they join that step instead of the one after. With async scheduling
+# the device is busy meanwhile with the step already dispatched, so a wait shorter than that step
+# costs nothing; with steps in order the device idles, so the wait is a smaller share of a step.
+_REFILL_WAIT_S = 0.05
+_REFILL_SHARE = {True: 0.5, False: 0.2}  # of the last step's time, with and without async scheduling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +132,7 @@ def serve(engine, commands: zmq.Socket, outputs: zmq.Socket, orphaned: Callable[
 @dataclasses.dataclass(eq=False)
 class _Live:
     request: Any  # the engine's Request
+    received: float  # time.monotonic() when this loop took it
     sent: int = 0  # output tokens already published
 
 
@@ -144,12 +147,16 @@ class _Core:
         engine = self.engine
         fill_wait = False  # the last step ran nothing while requests waited (a batch is filling)
         refill, refill_wait = 0, 0.0  # requests that finished in the last step, with free slots
+        last_step = None  # when the last step ended, while steps follow each other
         while not self.stopping:
             busy = engine.has_unfinished()
             if refill:
                 commands_now = _receive(commands, refill_wait, want=refill)
+            elif busy:
+                commands_now = _receive(commands, _FILL_WAIT_S if fill_wait else 0)
             else:  # idle: wait for a command, looking up once a second
-                commands_now = _receive(commands, (_FILL_WAIT_S if fill_wait else 0) if busy else 1.0)
+                commands_now = _receive(commands, 1.0)
+                last_step = None
             refill = 0
             if not busy and not commands_now:
                 if self.orphaned():
@@ -161,16 +168,16 @@ class _Core:
                 self._send(("batch", replies, [], None))
             if self.stopping:
                 break
-            finished, step_s = 0, 0.0
+            finished = 0
             if engine.has_unfinished():
-                start = time.perf_counter()
                 finished = len(engine.step())
-                step_s = time.perf_counter() - start
                 fill_wait = engine.idle and engine.stats().get("waiting", 0) > 0
+            now = time.perf_counter()
+            cycle, last_step = (0.0 if last_step is None else now - last_step), now
             stats = engine.stats()
             self._send(("batch", [], self.collect(), stats))
             refill = 0 if stats.get("waiting", 0) else finished
-            refill_wait = min(_REFILL_WAIT_S, step_s / 2)
+            refill_wait = _refill_wait(engine, cycle)
         self.abort_all()
 
     def handle(self, commands: list[tuple]) -> list[tuple]:
@@ -212,8 +219,9 @@ class _Core:
             kind = "invalid" if isinstance(e, ValueError) else "busy" if isinstance(e, QueueFullError) else "error"
             message = f"prompt {len(added)}: {e}" if len(prompts) > 1 and kind == "invalid" else str(e)
             return ("added", key, (kind, message))
+        received = time.monotonic()
         for request_id in ids:
-            self.live[request_id] = _Live(engine.request(request_id))
+            self.live[request_id] = _Live(engine.request(request_id), received)
         return ("added", key, None)
 
     def collect(self) -> list[tuple]:
@@ -228,7 +236,7 @@ class _Core:
             logprobs = r.logprobs[live.sent: n] if r.params.logprobs is not None else None
             finish = r.finish_reason.value if r.finished else None
             out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish,
-                        _timings(r) if r.finished else None))
+                        _timings(r, live.received) if r.finished else None))
             live.sent = n
             if r.finished:
                 del self.live[request_id]
@@ -243,6 +251,12 @@ class _Core:
 
     def _send(self, message) -> None:
         self.outputs.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _refill_wait(engine, step_s: float) -> float:
+    """How long to wait for the successors of requests that just finished (see _REFILL_WAIT_S)."""
+    overlapped = bool(getattr(getattr(engine, "config", None), "async_scheduling", False))
+    return min(_REFILL_WAIT_S, _REFILL_SHARE[overlapped] * step_s)
 
 
 def _receive(sock: zmq.Socket, timeout: float, want: int = 1) -> list[tuple]:
@@ -260,13 +274,14 @@ def _receive(sock: zmq.Socket, timeout: float, want: int = 1) -> list[tuple]:
             return commands
 
 
-def _timings(r) -> dict[str, float | None]:
+def _timings(r, received: float) -> dict[str, float | None]:
     """Seconds from arrival (time.monotonic, the same clock in every process) for the metrics."""
     def since(t):
         return None if t is None else t - r.arrival_time
     first, finish = getattr(r, "first_token_time", None), getattr(r, "finish_time", None)
     n = len(r.output_token_ids)
-    return {"queue": since(getattr(r, "admit_time", None)), "ttft": since(first), "e2e": since(finish),
+    return {"handoff": since(received), "queue": since(getattr(r, "admit_time", None)), "ttft": since(first),
+            "e2e": since(finish),
             "tpot": (finish - first) / (n - 1) if n > 1 and first is not None and finish is not None else None}
 
 

@@ -52,6 +52,9 @@ class Metrics:
                                   "rest of its step and the channel)", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoff_time = Histogram("jaxserve_request_handoff_seconds",
+                                      "Arrival to the engine loop taking the request (the channel, and the "
+                                      "engine step it arrived during)", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
@@ -75,10 +78,12 @@ class Metrics:
                 self._seen[key] = value
 
     def observe_finished(self, reason: str, timings: dict[str, float | None] | None) -> None:
-        """Records a finished request: its finish reason and, in seconds from arrival, its queue
-        time, TTFT and end-to-end latency, plus its TPOT (any of them None when unknown)."""
+        """Records a finished request: its finish reason and, in seconds from arrival, its handoff
+        to the engine loop, queue time, TTFT and end-to-end latency, plus its TPOT (any of them None when unknown)."""
         self.finished.labels(finish_reason=reason).inc()
         t = timings or {}
+        if t.get("handoff") is not None:
+            self.handoff_time.observe(t["handoff"])
         if t.get("queue") is not None:
             self.queue_time.observe(t["queue"])
         if t.get("ttft") is not None:

@@ -81,6 +81,7 @@ def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
         queue = list(todo)
         live: dict[str, list] = {}  # id -> [submit time, first token time]
         ttft, itl, tokens = [], [], 0
+        waits.clear()
         start = time.perf_counter()
         while queue or live:
             while queue and len(live) < args.concurrency:
@@ -92,6 +93,7 @@ def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
                 if times[1] is None and r.output_token_ids:
                     times[1] = now
                 if r.finished:
+                    waits.append(r.admit_time - r.arrival_time)
                     n = len(r.output_token_ids)
                     ttft.append(times[1] - times[0])
                     itl.append((now - times[1]) / max(1, n - 1))
@@ -100,10 +102,13 @@ def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
                     del live[request_id]
         return ttft, itl, tokens, time.perf_counter() - start
 
+    waits: list[float] = []  # arrival to admission (time in the waiting queue)
     if warm:
         closed_loop(prompts[: args.warmup])
     compiles, cpu = engine.stats()["num_compiles"], _cpu_s(os.getpid())
     out = summarize("in-process", *closed_loop(prompts[args.warmup:]))
+    out["queue_mean_s"] = statistics.mean(waits)
+    print(f"{'':>10}  mean from submission to admission by the scheduler: {out['queue_mean_s']:.3f} s", flush=True)
     out["compiles_measured"] = engine.stats()["num_compiles"] - compiles
     out["cpu_s"] = {"engine (this process)": _cpu_s(os.getpid()) - cpu}
     _print_cpu(out)
@@ -166,13 +171,16 @@ def run_http(url: str, prompts: list[str], args, warm: bool, server_pid: int | N
     def mean(name):
         count = diff.get(f"jaxserve_{name}_count")
         return diff[f"jaxserve_{name}_sum"] / count if count else None
+    out["handoff_mean_s"] = mean("request_handoff_seconds")
+    out["queue_mean_s"] = mean("request_queue_time_seconds")
     out["engine_ttft_mean_s"] = mean("time_to_first_token_seconds")
     out["api_ttft_mean_s"] = mean("api_time_to_first_token_seconds")
     if out["engine_ttft_mean_s"] is not None and out["api_ttft_mean_s"] is not None:
-        print(f"{'':>10}  TTFT mean, from the request's arrival in the API process: {out['engine_ttft_mean_s']:.3f} s "
-              f"to the token's sampling in the engine, {out['api_ttft_mean_s']:.3f} s to its handler; "
-              f"{out['ttft_mean_s'] - out['api_ttft_mean_s']:.3f} s outside the server (client, HTTP, SSE)",
-              flush=True)
+        print(f"{'':>10}  means from a request's arrival in the API process: {out['handoff_mean_s']:.3f} s to the "
+              f"engine loop taking it, {out['queue_mean_s']:.3f} s to its admission by the scheduler, "
+              f"{out['engine_ttft_mean_s']:.3f} s to its first token's sampling, {out['api_ttft_mean_s']:.3f} s to "
+              f"the token's HTTP handler; {out['ttft_mean_s'] - out['api_ttft_mean_s']:.3f} s outside the server "
+              f"(client, HTTP, SSE)", flush=True)
     return out
 
 
@@ -199,29 +207,32 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
-    parser.add_argument("--mode", choices=["both", "in-process", "http"], default="both")
-    parser.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=16)
-    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--server-pid", type=int, default=None, help="with --url: the server's process, whose "
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # this script's options
+    own.add_argument("--mode", choices=["both", "in-process", "http"], default="both")
+    own.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
+    own.add_argument("--concurrency", type=int, default=16)
+    own.add_argument("--prompt-tokens", type=int, default=128)
+    own.add_argument("--output-tokens", type=int, default=64)
+    own.add_argument("--requests", type=int, default=64)
+    own.add_argument("--warmup", type=int, default=16)
+    own.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    own.add_argument("--server-pid", type=int, default=None, help="with --url: the server's process, whose "
                         "CPU time (and its children's) is then reported")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate in-process and HTTP this many times")
-    parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "bench_serving_server.log"))
-    parser.add_argument("--json", default=None, help="write the results here")
+    own.add_argument("--rounds", type=int, default=1, help="alternate in-process and HTTP this many times")
+    own.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "bench_serving_server.log"))
+    own.add_argument("--json", default=None, help="write the results here")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     parents=[own])
+    add_engine_args(parser)
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
-    args.engine_argv = _engine_argv(raw)  # the server gets exactly the engine options given here
+    _, args.engine_argv = own.parse_known_args(raw)  # the server gets exactly the engine options given here
     results = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "args": vars(args)}
 
     from jaxserve.engine import Engine
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
-    engine.runner.warmup()  # every step shape, as `jaxserve serve` compiles them before it answers
+    if args.mode != "http":
+        engine.runner.warmup()  # every step shape, as `jaxserve serve` compiles them before it answers
     prompts = make_prompts(engine.tokenizer, args.warmup + args.requests, args.prompt_tokens, args.prompt_seed)
     proc, url = None, args.url
     if args.mode in ("both", "http") and url is None:
@@ -294,20 +305,6 @@ def _totals(rounds: list[dict]):
     """(ttft, itl, tokens, elapsed) over all rounds."""
     return ([t for r in rounds for t in r["ttft"]], [t for r in rounds for t in r["itl"]],
             sum(r["output_tokens"] for r in rounds), sum(r["elapsed_s"] for r in rounds))
-
-
-def _engine_argv(raw: list[str]) -> list[str]:
-    """The engine options among the command-line words (the rest is this script's)."""
-    engine = argparse.ArgumentParser(add_help=False)
-    add_engine_args(engine)
-    _, rest = engine.parse_known_args(raw)
-    out, j = [], 0
-    for word in raw:
-        if j < len(rest) and word == rest[j]:
-            j += 1
-        else:
-            out.append(word)
-    return out
 
 
 def _cpu_model() -> str:

@@ -336,6 +336,11 @@ def test_health_and_metrics(server):
     m = metrics(server)
     assert m["jaxserve_generation_tokens_total"] > 0 and m["jaxserve_num_compiles_total"] > 0
     assert m["jaxserve_time_to_first_token_seconds_count"] > 0
+    # a request reaches the engine loop (every one), then the scheduler admits it, then it samples a token
+    handoff, queue, ttft = (m[f"jaxserve_{name}_sum"] / m[f"jaxserve_{name}_count"] for name in (
+        "request_handoff_seconds", "request_queue_time_seconds", "time_to_first_token_seconds"))
+    assert m["jaxserve_request_handoff_seconds_count"] >= m["jaxserve_request_queue_time_seconds_count"] > 0
+    assert 0 < handoff < ttft and queue < ttft
 
 
 class _BrokenEngine:
