@@ -14,8 +14,10 @@ alternate N times (both engines stay loaded), so a change in the machine's load 
 TTFT is measured from submission to the first generated token (in-process: seen after a step;
 HTTP: the first chunk, which the server sends for the first step that made a token), ITL as (last token - first token) / (tokens - 1), and output
 tok/s over the measured phase. The server's own figures (from /metrics) split the HTTP TTFT: from
-the request's arrival in the API process to its first token's sampling in the engine, to that
-token reaching its HTTP handler (the rest of the engine step, the channel), and the rest outside.
+the request's arrival in the API process to the engine loop taking it (the channel, and the step
+it arrived during), to its admission by the scheduler, to its first token's sampling in the
+engine, to that token reaching its HTTP handler (the rest of the engine step, the channel), and
+the rest outside. The in-process run prints its time from submission to admission.
 
     python scripts/bench_serving.py --max-slots 32                       # Gemma 3 270M
     python scripts/bench_serving.py --model tiny-ckpt --mode http --url http://127.0.0.1:8000
