@@ -5,7 +5,8 @@ Every request has a --prompt-tokens prompt (random words cut to that many tokens
 and generates exactly --output-tokens tokens (greedy, ignore_eos). Both runs use the same engine
 options and the same prompts, with every step shape compiled first (in-process `warmup()`, and
 `jaxserve serve` does it before it answers), after a warm-up of --warmup requests each; with --rounds N they
-alternate N times (both engines stay loaded), so a change in the machine's load hits both alike:
+alternate N times (both engines stay loaded), so a change in the machine's load hits both alike.
+Every round has prompts of its own, so none is a prefix-cache hit (each phase prints its hit rate):
 
   in-process: Engine.from_pretrained(...) in this process, add_request / step;
   HTTP:       `jaxserve serve` (API process + engine process) on loopback, streaming completions
@@ -75,7 +76,7 @@ def summarize(name: str, ttft: list[float], itl: list[float], tokens: int, elaps
 
 # ---- in-process ----
 
-def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
+def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bool) -> dict:
     from jaxserve import SamplingParams
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
 
@@ -106,12 +107,16 @@ def run_in_process(engine, prompts: list[str], args, warm: bool) -> dict:
 
     waits: list[float] = []  # arrival to admission (time in the waiting queue)
     if warm:
-        closed_loop(prompts[: args.warmup])
-    compiles, cpu = engine.stats()["num_compiles"], _cpu_s(os.getpid())
-    out = summarize("in-process", *closed_loop(prompts[args.warmup:]))
+        closed_loop(warmup)
+    before, cpu = engine.stats(), _cpu_s(os.getpid())
+    out = summarize("in-process", *closed_loop(prompts))
+    after = engine.stats()
+    out["compiles_measured"] = after["num_compiles"] - before["num_compiles"]
+    out["prefix_cache_hit_rate"] = _hit_rate(after["prefix_cache_hits"] - before["prefix_cache_hits"],
+                                             after["prefix_cache_queries"] - before["prefix_cache_queries"])
     out["queue_mean_s"] = statistics.mean(waits)
-    print(f"{'':>10}  mean from submission to admission by the scheduler: {out['queue_mean_s']:.3f} s", flush=True)
-    out["compiles_measured"] = engine.stats()["num_compiles"] - compiles
+    print(f"{'':>10}  mean from submission to admission by the scheduler: {out['queue_mean_s']:.3f} s; "
+          f"prefix-cache hits {out['prefix_cache_hit_rate']:.0%} of prompt tokens", flush=True)
     out["cpu_s"] = {"engine (this process)": _cpu_s(os.getpid()) - cpu}
     _print_cpu(out)
     return out
@@ -158,18 +163,20 @@ def server_metrics(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^(jaxserve_\S+) (\S+)$", text, re.M)}
 
 
-def run_http(url: str, prompts: list[str], args, warm: bool, server_pid: int | None) -> dict:
+def run_http(url: str, warmup: list[str], prompts: list[str], args, warm: bool, server_pid: int | None) -> dict:
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     if warm:
-        asyncio.run(http_closed_loop(url, model, prompts[: args.warmup], args))
+        asyncio.run(http_closed_loop(url, model, warmup, args))
     before, cpu, client_cpu = server_metrics(url), _server_cpu_s(server_pid), _cpu_s(os.getpid())
-    out = summarize("HTTP", *asyncio.run(http_closed_loop(url, model, prompts[args.warmup:], args)))
+    out = summarize("HTTP", *asyncio.run(http_closed_loop(url, model, prompts, args)))
     after = server_metrics(url)
     out["cpu_s"] = {k: v - cpu.get(k, 0.0) for k, v in _server_cpu_s(server_pid).items()}
     out["cpu_s"]["client (this process)"] = _cpu_s(os.getpid()) - client_cpu
     _print_cpu(out)
     diff = {k: v - before.get(k, 0) for k, v in after.items()}
     out["compiles_measured"] = diff.get("jaxserve_num_compiles_total")
+    out["prefix_cache_hit_rate"] = _hit_rate(diff.get("jaxserve_prefix_cache_hits_total", 0),
+                                             diff.get("jaxserve_prefix_cache_queries_total", 0))
     def mean(name):
         count = diff.get(f"jaxserve_{name}_count")
         return diff[f"jaxserve_{name}_sum"] / count if count else None
@@ -182,7 +189,7 @@ def run_http(url: str, prompts: list[str], args, warm: bool, server_pid: int | N
               f"engine loop taking it, {out['queue_mean_s']:.3f} s to its admission by the scheduler, "
               f"{out['engine_ttft_mean_s']:.3f} s to its first token's sampling, {out['api_ttft_mean_s']:.3f} s to "
               f"the token's HTTP handler; {out['ttft_mean_s'] - out['api_ttft_mean_s']:.3f} s outside the server "
-              f"(client, HTTP, SSE)", flush=True)
+              f"(client, HTTP, SSE); prefix-cache hits {out['prefix_cache_hit_rate']:.0%} of prompt tokens", flush=True)
     return out
 
 
@@ -235,19 +242,24 @@ def main(argv=None) -> None:
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
     if args.mode != "http":
         engine.runner.warmup()  # every step shape, as `jaxserve serve` compiles them before it answers
-    prompts = make_prompts(engine.tokenizer, args.warmup + args.requests, args.prompt_tokens, args.prompt_seed)
+    # Fresh prompts for every round: a repeated prompt would be a prefix-cache hit and skip its prefill.
+    prompts = make_prompts(engine.tokenizer, args.warmup + args.rounds * args.requests, args.prompt_tokens,
+                           args.prompt_seed)
+    warmup = prompts[: args.warmup]
     proc, url = None, args.url
     if args.mode in ("both", "http") and url is None:
         proc, url = start_server(args)
+    def measured(i: int) -> list[str]:  # round i's prompts, the same for both sides
+        return prompts[args.warmup + i * args.requests: args.warmup + (i + 1) * args.requests]
     modes = {"both": ("in_process", "http"), "in-process": ("in_process",), "http": ("http",)}[args.mode]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for i in range(args.rounds):  # alternating, so a change of machine load hits both alike
             print(f"round {i + 1} of {args.rounds}", flush=True)
             if "in_process" in runs:
-                runs["in_process"].append(run_in_process(engine, prompts, args, warm=i == 0))
+                runs["in_process"].append(run_in_process(engine, warmup, measured(i), args, warm=i == 0))
             if "http" in runs:
-                runs["http"].append(run_http(url, prompts, args, warm=i == 0,
+                runs["http"].append(run_http(url, warmup, measured(i), args, warm=i == 0,
                                              server_pid=proc.pid if proc is not None else args.server_pid))
     finally:
         if proc is not None:
@@ -307,6 +319,10 @@ def _totals(rounds: list[dict]):
     """(ttft, itl, tokens, elapsed) over all rounds."""
     return ([t for r in rounds for t in r["ttft"]], [t for r in rounds for t in r["itl"]],
             sum(r["output_tokens"] for r in rounds), sum(r["elapsed_s"] for r in rounds))
+
+
+def _hit_rate(hits: float, queries: float) -> float:
+    return hits / queries if queries else 0.0
 
 
 def _cpu_model() -> str:
