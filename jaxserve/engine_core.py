@@ -35,7 +35,8 @@ _FILL_WAIT_S = 0.001  # a dynamic batch is filling: wait this long for commands 
 # the device is busy meanwhile with the step already dispatched, so a wait shorter than that step
 # costs nothing; with steps in order the device idles, so the wait is a smaller share of a step.
 _REFILL_WAIT_S = 0.05
-_REFILL_SHARE = {True: 0.5, False: 0.2}  # of the last step's time, with and without async scheduling
+_REFILL_SHARE_ASYNC = 0.5  # of the last step's time, with async scheduling
+_REFILL_SHARE_IN_ORDER = 0.2  # ... and with steps in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,8 @@ class _Core:
         self.live: dict[str, _Live] = {}
         self.stopping = False
         self.groups = 10**9  # one group per payload (static batching)
+        overlapped = getattr(getattr(engine, "config", None), "async_scheduling", False)  # stand-ins lack a config
+        self.refill_share = _REFILL_SHARE_ASYNC if overlapped else _REFILL_SHARE_IN_ORDER
 
     def loop(self, commands: zmq.Socket) -> None:
         engine = self.engine
@@ -177,7 +180,7 @@ class _Core:
             stats = engine.stats()
             self._send(("batch", [], self.collect(), stats))
             refill = 0 if stats.get("waiting", 0) else finished
-            refill_wait = _refill_wait(engine, cycle)
+            refill_wait = min(_REFILL_WAIT_S, self.refill_share * cycle)
         self.abort_all()
 
     def handle(self, commands: list[tuple]) -> list[tuple]:
@@ -251,12 +254,6 @@ class _Core:
 
     def _send(self, message) -> None:
         self.outputs.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _refill_wait(engine, step_s: float) -> float:
-    """How long to wait for the successors of requests that just finished (see _REFILL_WAIT_S)."""
-    overlapped = bool(getattr(getattr(engine, "config", None), "async_scheduling", False))
-    return min(_REFILL_WAIT_S, _REFILL_SHARE[overlapped] * step_s)
 
 
 def _receive(sock: zmq.Socket, timeout: float, want: int = 1) -> list[tuple]:

@@ -80,6 +80,8 @@ def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bo
     from jaxserve import SamplingParams
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
 
+    waits: list[float] = []  # arrival to admission (time in the waiting queue) of the last closed loop
+
     def closed_loop(todo: list[str]):
         queue = list(todo)
         live: dict[str, list] = {}  # id -> [submit time, first token time]
@@ -105,7 +107,6 @@ def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bo
                     del live[request_id]
         return ttft, itl, tokens, time.perf_counter() - start
 
-    waits: list[float] = []  # arrival to admission (time in the waiting queue)
     if warm:
         closed_loop(warmup)
     before, cpu = engine.stats(), _cpu_s(os.getpid())
