@@ -5,7 +5,9 @@ Every request has a --prompt-tokens prompt (random words cut to that many tokens
 and generates exactly --output-tokens tokens (greedy, ignore_eos). Both runs use the same engine
 options and the same prompts, with every step shape compiled first (in-process `warmup()`, and
 `jaxserve serve` does it before it answers), after a warm-up of --warmup requests each; with --rounds N they
-alternate N times (both engines stay loaded), so a change in the machine's load hits both alike.
+alternate N times, in-process first in odd rounds and HTTP first in even ones (both engines stay loaded),
+so a change in the machine's load hits both alike, and the script prints each round's ratios and their
+median beside the ratios of the totals.
 Every round has prompts of its own, so none is a prefix-cache hit (each phase prints its hit rate):
 
   in-process: Engine.from_pretrained(...) in this process, add_request / step;
@@ -18,7 +20,9 @@ tok/s over the measured phase. The server's own figures (from /metrics) split th
 the request's arrival in the API process to the engine loop taking it (the channel, and the step
 it arrived during), to its admission by the scheduler, to its first token's sampling in the
 engine, to that token reaching its HTTP handler (the rest of the engine step, the channel), and
-the rest outside. The in-process run prints its time from submission to admission.
+the rest outside. The in-process run prints its time from submission to admission. Both print how
+many engine steps the phase took, how full they were and how often they ran: the same steps at a
+slower pace mean a slower engine (CPU contention), more steps mean worse batching.
 
     python scripts/bench_serving.py --max-slots 32                       # Gemma 3 270M
     python scripts/bench_serving.py --model tiny-ckpt --mode http --url http://127.0.0.1:8000
@@ -109,9 +113,10 @@ def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bo
 
     if warm:
         closed_loop(warmup)
-    before, cpu = engine.stats(), _cpu_s(os.getpid())
+    before, cpu, first_step = engine.stats(), _cpu_s(os.getpid()), engine.num_steps
     out = summarize("in-process", *closed_loop(prompts))
     after = engine.stats()
+    out["steps"] = _step_summary(list(engine.history)[-(engine.num_steps - first_step):])
     out["compiles_measured"] = after["num_compiles"] - before["num_compiles"]
     out["prefix_cache_hit_rate"] = _hit_rate(after["prefix_cache_hits"] - before["prefix_cache_hits"],
                                              after["prefix_cache_queries"] - before["prefix_cache_queries"])
@@ -164,13 +169,26 @@ def server_metrics(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^(jaxserve_\S+) (\S+)$", text, re.M)}
 
 
+def server_steps(url: str, since: int) -> list[dict]:
+    """The engine's step records after step `since` (the state endpoint sends a bounded slice)."""
+    steps = []
+    while True:
+        history = httpx.get(url + "/v1/engine/state", params={"since": since}).json()["history"]
+        if not history:
+            return steps
+        steps += history
+        since = history[-1]["step"]
+
+
 def run_http(url: str, warmup: list[str], prompts: list[str], args, warm: bool, server_pid: int | None) -> dict:
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     if warm:
         asyncio.run(http_closed_loop(url, model, warmup, args))
     before, cpu, client_cpu = server_metrics(url), _server_cpu_s(server_pid), _cpu_s(os.getpid())
+    first_step = httpx.get(url + "/v1/engine/state").json()["step"]
     out = summarize("HTTP", *asyncio.run(http_closed_loop(url, model, prompts, args)))
     after = server_metrics(url)
+    out["steps"] = _step_summary(server_steps(url, first_step))
     out["cpu_s"] = {k: v - cpu.get(k, 0.0) for k, v in _server_cpu_s(server_pid).items()}
     out["cpu_s"]["client (this process)"] = _cpu_s(os.getpid()) - client_cpu
     _print_cpu(out)
@@ -255,13 +273,15 @@ def main(argv=None) -> None:
     modes = {"both": ("in_process", "http"), "in-process": ("in_process",), "http": ("http",)}[args.mode]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
-        for i in range(args.rounds):  # alternating, so a change of machine load hits both alike
+        for i in range(args.rounds):
             print(f"round {i + 1} of {args.rounds}", flush=True)
-            if "in_process" in runs:
-                runs["in_process"].append(run_in_process(engine, warmup, measured(i), args, warm=i == 0))
-            if "http" in runs:
-                runs["http"].append(run_http(url, warmup, measured(i), args, warm=i == 0,
-                                             server_pid=proc.pid if proc is not None else args.server_pid))
+            # Alternating A B, B A, A B, ...: a change in the machine's speed (other tenants) hits both alike.
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                if mode == "in_process":
+                    runs[mode].append(run_in_process(engine, warmup, measured(i), args, warm=i == 0))
+                else:
+                    runs[mode].append(run_http(url, warmup, measured(i), args, warm=i == 0,
+                                               server_pid=proc.pid if proc is not None else args.server_pid))
     finally:
         if proc is not None:
             proc.terminate()
@@ -283,6 +303,14 @@ def main(argv=None) -> None:
         r = results["ratio"]
         print(f"{'HTTP / in-process':>10}: output tok/s {r['output_tok_s']:.2f}x, TTFT mean {r['ttft_mean']:.2f}x, "
               f"ITL mean {r['itl_mean']:.2f}x")
+        if args.rounds > 1:  # each round's two phases ran back to back, so their ratio drifts least
+            per_round = [{"output_tok_s": h["output_tok_s"] / i["output_tok_s"], "ttft_mean": h["ttft_mean_s"] / i["ttft_mean_s"]}
+                         for i, h in zip(a["rounds"], b["rounds"])]
+            results["ratio_median_of_rounds"] = {k: statistics.median(x[k] for x in per_round) for k in per_round[0]}
+            m = results["ratio_median_of_rounds"]
+            print(f"{'per round':>10}: output tok/s " + " ".join(f"{x['output_tok_s']:.2f}x" for x in per_round)
+                  + ", TTFT mean " + " ".join(f"{x['ttft_mean']:.2f}x" for x in per_round)
+                  + f"; medians {m['output_tok_s']:.2f}x and {m['ttft_mean']:.2f}x")
     results["load_after"] = os.getloadavg()
     print(f"CPU: {results['cpu']}; load average before {results['load_before'][0]:.2f}, "
           f"after {results['load_after'][0]:.2f}")
@@ -307,6 +335,19 @@ def _server_cpu_s(pid: int | None) -> dict[str, float]:
     for child in psutil.Process(pid).children():
         name = "engine process" if "spawn_main" in " ".join(child.cmdline()) else f"child {child.pid}"
         out[name] = _cpu_s(child.pid)
+    return out
+
+
+def _step_summary(steps) -> dict:
+    """How the phase's engine steps were filled and paced, from the engine's step records (objects
+    or dicts); the interval runs from one step's dispatch to the next's."""
+    get = (lambda s, k: s[k]) if steps and isinstance(steps[0], dict) else getattr
+    times = [get(s, "time") for s in steps]
+    out = {"count": len(steps), "tokens_mean": statistics.mean(get(s, "tokens") for s in steps),
+           "decode_rows_mean": statistics.mean(get(s, "decode_rows") for s in steps),
+           "interval_ms_mean": 1000 * (times[-1] - times[0]) / max(1, len(steps) - 1)}
+    print(f"{'':>10}  engine steps: {out['count']}, {out['tokens_mean']:.1f} tokens each "
+          f"({out['decode_rows_mean']:.1f} decode rows), one every {out['interval_ms_mean']:.1f} ms", flush=True)
     return out
 
 
