@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampling import SamplingBatch, argmax, sample, token_logprobs
+from jaxserve.sampling import SamplingBatch, _filter, argmax, categorical, sample, token_logprobs
 
 
 def batch(n, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
@@ -53,6 +53,44 @@ def test_top_k_restricts_to_the_k_best_and_frequencies_follow_softmax():
     assert set(draws.tolist()) <= {0, 1}  # 0.5 < 0.7 needs the second token, not the third
     draws = np.asarray(sample(logits, batch(n, temperature=1.0, min_p=0.5), jnp.zeros(n, jnp.int32)))
     assert set(draws.tolist()) <= {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def sorted_filter_reference(row, top_k, top_p, min_p):
+    """The token ids that top-k, then top-p, then min-p keep, by sorting the vocabulary."""
+    order = np.argsort(-row, kind="stable")
+    ranked = np.where((top_k == 0) | (np.arange(len(row)) < top_k), row[order], -np.inf)
+    probs = np.exp(ranked - ranked[0])
+    probs /= probs.sum()
+    keep = (np.cumsum(probs) - probs) < top_p if top_p < 1 else np.ones(len(row), bool)  # 1 is off
+    keep &= (probs >= min_p * probs[0]) & np.isfinite(ranked)
+    keep[0] = True
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.5, 0.0), (50, 0.8, 0.0),
+                                               (0, 1.0, 0.05), (40, 0.95, 0.02), (2000, 1.0, 0.0)])
+def test_threshold_filter_keeps_what_sorting_keeps(top_k, top_p, min_p):
+    logits = np.random.RandomState(top_k).randn(6, 1000).astype(np.float32) * 2
+    n = len(logits)
+    params = batch(n, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    kept = np.asarray(jax.jit(_filter)(jnp.asarray(logits), params.top_k, params.top_p, params.min_p))
+    for row, out in zip(logits, kept):
+        assert set(np.flatnonzero(np.isfinite(out)).tolist()) == sorted_filter_reference(row, top_k, top_p, min_p)
+        np.testing.assert_array_equal(out[np.isfinite(out)], row[np.isfinite(out)])
+
+
+def test_categorical_follows_softmax_across_chunks():
+    """Mass in four chunks of a vocabulary that is not a multiple of the chunk (the last one padded)."""
+    vocab, tokens, probs = 1500, [3, 700, 1100, 1499], np.array([0.4, 0.3, 0.2, 0.1])
+    row = np.full(vocab, -np.inf, np.float32)
+    row[tokens] = np.log(probs)
+    n = 8000
+    keys = jax.vmap(jax.random.key)(jnp.arange(n, dtype=jnp.uint32))
+    draws = np.asarray(jax.jit(categorical)(keys, jnp.asarray(np.tile(row, (n, 1)))))
+    assert set(draws.tolist()) <= set(tokens)
+    np.testing.assert_allclose([(draws == t).mean() for t in tokens], probs, atol=0.02)
+    hot = np.asarray(categorical(keys[:4], jnp.asarray(np.tile(row, (4, 1))), jnp.full(4, 1e6)))
+    np.testing.assert_array_equal(hot, [3] * 4)  # a huge inverse temperature is greedy
 
 
 def test_token_logprobs():
