@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -116,7 +117,9 @@ def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bo
     before, cpu, first_step = engine.stats(), _cpu_s(os.getpid()), engine.num_steps
     out = summarize("in-process", *closed_loop(prompts))
     after = engine.stats()
-    out["steps"] = _step_summary(list(engine.history)[-(engine.num_steps - first_step):])
+    ran = engine.num_steps - first_step  # the last `ran` step records (the history keeps 2048)
+    records = list(engine.history)[max(0, len(engine.history) - ran):]
+    out["steps"] = _step_summary([dataclasses.asdict(s) for s in records])
     out["compiles_measured"] = after["num_compiles"] - before["num_compiles"]
     out["prefix_cache_hit_rate"] = _hit_rate(after["prefix_cache_hits"] - before["prefix_cache_hits"],
                                              after["prefix_cache_queries"] - before["prefix_cache_queries"])
@@ -340,14 +343,12 @@ def _server_cpu_s(pid: int | None) -> dict[str, float]:
     return out
 
 
-def _step_summary(steps) -> dict:
-    """How the phase's engine steps were filled and paced, from the engine's step records (objects
-    or dicts); the interval runs from one step's dispatch to the next's."""
-    get = (lambda s, k: s[k]) if steps and isinstance(steps[0], dict) else getattr
-    times = [get(s, "time") for s in steps]
-    out = {"count": len(steps), "tokens_mean": statistics.mean(get(s, "tokens") for s in steps),
-           "decode_rows_mean": statistics.mean(get(s, "decode_rows") for s in steps),
-           "interval_ms_mean": 1000 * (times[-1] - times[0]) / max(1, len(steps) - 1)}
+def _step_summary(steps: list[dict]) -> dict:
+    """How the phase's engine steps were filled and paced, from the engine's step records (as
+    /v1/engine/state sends them); the interval runs from one step's dispatch to the next's."""
+    out = {"count": len(steps), "tokens_mean": statistics.mean(s["tokens"] for s in steps),
+           "decode_rows_mean": statistics.mean(s["decode_rows"] for s in steps),
+           "interval_ms_mean": 1000 * (steps[-1]["time"] - steps[0]["time"]) / max(1, len(steps) - 1)}
     print(f"{'':>10}  engine steps: {out['count']}, {out['tokens_mean']:.1f} tokens each "
           f"({out['decode_rows_mean']:.1f} decode rows), one every {out['interval_ms_mean']:.1f} ms", flush=True)
     return out
