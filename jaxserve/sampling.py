@@ -63,23 +63,53 @@ def _sample_random(logits, params: SamplingBatch, positions):
     return jax.lax.cond(jnp.any(needs_filter), filtered, lambda: categorical(keys, logits, inverse_temperature))
 
 
-def _filter(scaled, top_k, top_p, min_p):
+SEARCH_WINDOW = 1024  # each row's largest logits (lax.top_k), where the cuts are looked for first
+
+
+def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
     """Rows of scaled logits [B, V] with what top-k, then top-p (on the renormalized rest), then
-    min-p (against the best token) drop set to -inf. Each cut is a threshold found by bisection,
-    32 passes over the vocabulary, instead of sorting it (sorting 16 rows of a 262k vocabulary
-    takes ~2 s on CPU); tokens tied at a threshold are all kept."""
+    min-p (against the best token) drop set to -inf; tokens tied at a cut are all kept.
+
+    The cuts are read off each row's `window` largest logits (lax.top_k of 1024: ~28 ms at 16 x
+    262k on CPU, where sorting the vocabulary takes ~2 s). A row whose cut lies beyond its window
+    (top-k above it, or a nucleus of more tokens: 0 of 41 real Gemma 3 rows at top-p 0.9, 1 at
+    0.95) gets it by bisection instead, 32 passes over the vocabulary, run only if some row needs
+    them. Both find the same cut."""
     vocab = scaled.shape[-1]
+    window = min(window, vocab)
     top_k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-    none = jnp.full(scaled.shape[:1], -jnp.inf)  # each search runs only if some row asks for its cut
-    kth = jax.lax.cond(jnp.any(top_k < vocab), lambda: _largest_threshold(
-        scaled, lambda t: jnp.sum(scaled >= t[:, None], axis=-1) >= top_k), lambda: none)
+    shape = (scaled.shape[0], window)
+    best, best_ids = jax.lax.cond(  # [B, W], largest first; not needed (nor computed) for min-p alone
+        jnp.any(top_k < vocab) | jnp.any(top_p < 1), lambda: tuple(jax.lax.top_k(scaled, window)),
+        lambda: (jnp.zeros(shape, scaled.dtype), jnp.zeros(shape, jnp.int32)))
+    kth = jnp.where(top_k < vocab, jnp.take_along_axis(best, jnp.minimum(top_k, window)[:, None] - 1, axis=-1)[:, 0],
+                    -jnp.inf)
+    kth = _or_bisection((top_k > window) & (top_k < vocab), kth, scaled,
+                        lambda t: jnp.sum(scaled >= t[:, None], axis=-1) >= top_k)
     ranked = jnp.where(scaled >= kth[:, None], scaled, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
-    nucleus = jax.lax.cond(jnp.any(top_p < 1), lambda: _largest_threshold(
-        probs, lambda t: jnp.sum(jnp.where(probs >= t[:, None], probs, 0), axis=-1) >= top_p), lambda: none)
-    best = probs.max(axis=-1, keepdims=True)
-    keep = ((top_p[:, None] >= 1) | (probs >= nucleus[:, None])) & (probs >= min_p[:, None] * best)
-    return jnp.where(keep | (probs == best), ranked, -jnp.inf)
+
+    head = jnp.take_along_axis(probs, best_ids, axis=-1)  # [B, W], largest first
+    # The mass at or above each candidate cut: the running sum up to the last token tied with it.
+    # At the window's last value it may fall short (tokens outside the window can tie with it), so
+    # it never claims a cut that the whole vocabulary would not.
+    ends_group = jnp.pad(head[:, 1:] < head[:, :-1], ((0, 0), (0, 1)), constant_values=True)
+    group_end = jax.lax.cummin(jnp.where(ends_group, jnp.arange(window), window), axis=1, reverse=True)
+    mass = jnp.take_along_axis(jnp.cumsum(head, axis=-1), group_end, axis=-1)  # [B, W]
+    reaches = mass >= top_p[:, None]
+    nucleus = jnp.max(jnp.where(reaches, head, -jnp.inf), axis=-1)  # the largest cut that keeps top_p
+    nucleus = _or_bisection((top_p < 1) & ~reaches.any(axis=-1), nucleus, probs,
+                            lambda t: jnp.sum(jnp.where(probs >= t[:, None], probs, 0), axis=-1) >= top_p)
+    best_prob = probs.max(axis=-1, keepdims=True)
+    keep = ((top_p[:, None] >= 1) | (probs >= nucleus[:, None])) & (probs >= min_p[:, None] * best_prob)
+    return jnp.where(keep | (probs == best_prob), ranked, -jnp.inf)
+
+
+def _or_bisection(rows, found, values, holds):
+    """`found` [B], with the rows where `rows` is set replaced by `_largest_threshold(values, holds)`
+    (computed only if some row is set)."""
+    return jax.lax.cond(jnp.any(rows), lambda: jnp.where(rows, _largest_threshold(values, holds), found),
+                        lambda: found)
 
 
 def _largest_threshold(values: jax.Array, holds) -> jax.Array:

@@ -67,16 +67,33 @@ def sorted_filter_reference(row, top_k, top_p, min_p):
     return set(order[keep].tolist())
 
 
+@pytest.mark.parametrize("window", [8, 256, 1000])  # cuts mostly beyond the window, mixed, all within
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.5, 0.0), (50, 0.8, 0.0),
-                                               (0, 1.0, 0.05), (40, 0.95, 0.02), (2000, 1.0, 0.0)])
-def test_threshold_filter_keeps_what_sorting_keeps(top_k, top_p, min_p):
-    logits = np.random.RandomState(top_k).randn(6, 1000).astype(np.float32) * 2
+                                               (0, 1.0, 0.05), (40, 0.95, 0.02), (2000, 1.0, 0.0),
+                                               (300, 0.9, 0.0)])
+def test_threshold_filter_keeps_what_sorting_keeps(top_k, top_p, min_p, window):
+    logits = np.random.RandomState(top_k).randn(6, 1000).astype(np.float32) * np.array([[0.5], [1], [2], [2], [4], [8]])
     n = len(logits)
     params = batch(n, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
-    kept = np.asarray(jax.jit(_filter)(jnp.asarray(logits), params.top_k, params.top_p, params.min_p))
+    kept = np.asarray(jax.jit(_filter, static_argnames="window")(
+        jnp.asarray(logits, jnp.float32), params.top_k, params.top_p, params.min_p, window=window))
     for row, out in zip(logits, kept):
         assert set(np.flatnonzero(np.isfinite(out)).tolist()) == sorted_filter_reference(row, top_k, top_p, min_p)
         np.testing.assert_array_equal(out[np.isfinite(out)], row[np.isfinite(out)])
+
+
+def test_window_cuts_keep_tied_tokens_as_bisection_does():
+    """Logits on a coarse grid (many ties, some across the window's edge): reading the cuts off the
+    window keeps the same tokens as finding them by bisection (a window of one token)."""
+    logits = jnp.asarray(np.round(np.random.RandomState(3).randn(8, 1000) * 2).astype(np.float32))
+    params = batch(8, temperature=1.0, top_k=0, top_p=0.6)
+    params.top_k = jnp.array([0, 0, 3, 20, 0, 7, 0, 100], jnp.int32)
+    params.top_p = jnp.array([0.6, 0.3, 1.0, 0.9, 0.05, 0.8, 0.99, 1.0], jnp.float32)
+    cut = jax.jit(_filter, static_argnames="window")
+    windowed = np.asarray(cut(logits, params.top_k, params.top_p, params.min_p, window=64))
+    bisected = np.asarray(cut(logits, params.top_k, params.top_p, params.min_p, window=1))
+    np.testing.assert_array_equal(np.isfinite(windowed), np.isfinite(bisected))
+    assert (np.isfinite(windowed).sum(-1) < 1000).all()
 
 
 def test_categorical_follows_softmax_across_chunks():
