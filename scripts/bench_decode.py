@@ -4,6 +4,7 @@
     python scripts/bench_decode.py --batches 1,2,4,16,64 --context 256 --dtypes float32,bfloat16
     python scripts/bench_decode.py --budget-sweep 64,128,256,512,1024   # what max_num_batched_tokens buys
     python scripts/bench_decode.py --attention --batches 1,16,64 --context 256  # attention vs bandwidth
+    python scripts/bench_decode.py --sampling                # sampling on 16 rows of the model's logits
 
 For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
 sequence holding `--context` tokens in the pool) and prints tokens/s, the step's FLOPs and the
@@ -15,7 +16,9 @@ decide the smallest decode bucket on CPU. `--budget-sweep` times steps of 16 dec
 prompt chunk filling each token budget: tokens/s grows with the budget while every decode waits a
 whole step, so the default budget is the smallest that reaches most of the throughput.
 `--attention` times one layer's decode attention (Gemma 3 270M shapes) over a float32 and a
-bfloat16 pool against reading its K/V once at the measured read bandwidth.
+bfloat16 pool against reading its K/V once at the measured read bandwidth. `--sampling` times
+the jitted `sample` on 16 rows of the model's own float32 logits (after 16 prefixes of one text),
+for greedy, a temperature, and the top-k, top-p and min-p cuts.
 """
 
 from __future__ import annotations
@@ -31,8 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import Engine, EngineConfig
-from jaxserve.sampling import SamplingBatch
-from jaxserve.step_batch import ScheduledSeq, build_step
+from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.model.loader import load_model
+from jaxserve.model.transformer import Transformer
+from jaxserve.pallas_kernels.backend import attention_fn
+from jaxserve.sampling import SamplingBatch, sample
+from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
 
 
 def timed(fn, reps: int) -> float:
@@ -91,6 +98,45 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
             ideal = nbytes / bandwidth
             print(f"| {dtype} | {b} | {args.context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
                   f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
+
+
+SAMPLING_TEXT = ("Once upon a time, in a small village by the sea, there lived an old clockmaker who spent his "
+                 "days repairing the watches of fishermen and telling stories to the children who gathered in his shop.")
+
+
+def model_logits(model_path: str | None, rows: int, page: int = 16) -> np.ndarray:
+    """float32 logits [rows, V]: the model's next-token scores after `rows` prefixes of one text,
+    all in one step (one sequence per prefix)."""
+    cfg, weights, tokenizer, _ = load_model(model_path)
+    ids = tokenizer.encode(SAMPLING_TEXT)
+    lengths = np.linspace(4, len(ids), rows).astype(int)
+    width = -(-len(ids) // page)
+    tables = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
+    greedy = SamplingBatch(*(np.zeros(rows, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
+    step = build_step([ScheduledSeq(i, 0, ids[:n]) for i, n in enumerate(lengths)], tables, greedy, page,
+                      StepBuckets(max_tokens=int(lengths.sum()), max_seqs=rows))
+    pool = allocate_kv_pool(cfg, 1 + rows * width, page, jnp.float32)
+    logits, _ = Transformer(cfg, weights)(jnp.asarray(step.tokens), pool, step.meta, attend=attention_fn("reference"),
+                                          logits_indices=jnp.asarray(step.logits_indices))
+    return np.asarray(logits)
+
+
+def sampling_sweep(args, rows: int = 16) -> None:
+    logits = jnp.asarray(model_logits(args.model, rows))
+    cases = {"greedy": dict(temperature=0.0), "temperature 1": {}, "top-k 50": dict(top_k=50),
+             "top-p 0.9": dict(top_p=0.9), "top-p 0.95": dict(top_p=0.95), "top-k 50, top-p 0.9": dict(top_k=50, top_p=0.9),
+             "min-p 0.05": dict(min_p=0.05)}
+    draw = jax.jit(sample)
+    positions = jnp.arange(rows, dtype=jnp.int32)
+    print(f"\n| sampling ({rows} rows of {logits.shape[1]} logits) | ms |")
+    print("|---|---|")
+    for name, options in cases.items():
+        o = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | options
+        params = SamplingBatch(np.full(rows, o["temperature"], np.float32), np.full(rows, o["top_k"], np.int32),
+                               np.full(rows, o["top_p"], np.float32), np.full(rows, o["min_p"], np.float32),
+                               np.arange(rows, dtype=np.uint32))
+        seconds = timed(lambda: draw(logits, params, positions).block_until_ready(), args.reps)
+        print(f"| {name} | {seconds * 1e3:.1f} |", flush=True)
 
 
 def one_row_forms(reps: int = 20) -> dict[str, float]:
@@ -171,10 +217,13 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-sweep", default=None, help="comma-separated token budgets: time mixed steps instead")
     p.add_argument("--attention", action="store_true", help="time one layer's decode attention instead")
+    p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
     args = p.parse_args(argv)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     print(f"CPU: {model}; jax {jax.__version__}, backend {jax.default_backend()}")
+    if args.sampling:
+        return sampling_sweep(args)
     peak32, peak16, bandwidth = matmul_peak(jnp.float32), matmul_peak(jnp.bfloat16), read_bandwidth()
     print(f"roofline: 2048^3 dot {peak32 / 1e9:.0f} GFLOP/s float32, {peak16 / 1e9:.0f} GFLOP/s bfloat16; "
           f"read {bandwidth / 1e9:.1f} GB/s (copy, read + written: {copy_bandwidth() / 1e9:.1f} GB/s)")
