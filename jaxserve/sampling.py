@@ -74,7 +74,8 @@ def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
     262k on CPU, where sorting the vocabulary takes ~2 s). A row whose cut lies beyond its window
     (top-k above it, or a longer nucleus: at top-p 0.9 Gemma 3 270M's nucleus held up to 641
     tokens after prefixes of a story, up to 1674 after random words) gets it by bisection
-    instead, 32 passes over the vocabulary (~4 ms each), run only if some row needs them. Both find the same cut, but for rounding in the sums of mass."""
+    instead, 32 passes over the vocabulary (~4 ms each), run only if some row needs them. Both
+    find the same cut, but for rounding in the sums of mass."""
     vocab = scaled.shape[-1]
     window = min(window, vocab)
     top_k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
