@@ -91,13 +91,11 @@ def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
     probs = jax.nn.softmax(ranked, axis=-1)
 
     head = jnp.take_along_axis(probs, best_ids, axis=-1)  # [B, W], largest first
-    # The mass at or above each candidate cut: the running sum up to the last token tied with it.
-    # At the window's last value it may fall short (tokens outside the window can tie with it), so
-    # it never claims a cut that the whole vocabulary would not.
-    ends_group = jnp.pad(head[:, 1:] < head[:, :-1], ((0, 0), (0, 1)), constant_values=True)
-    group_end = jax.lax.cummin(jnp.where(ends_group, jnp.arange(window), window), axis=1, reverse=True)
-    mass = jnp.take_along_axis(jnp.cumsum(head, axis=-1), group_end, axis=-1)  # [B, W]
-    reaches = mass >= top_p[:, None]
+    # The running mass down the window never exceeds the mass at or above that value (tied tokens
+    # later in the window or outside it add to the latter), and equals it at the end of a run of
+    # ties, so the largest value at which it reaches top_p is the cut, and it claims no cut that
+    # the whole vocabulary would not.
+    reaches = jnp.cumsum(head, axis=-1) >= top_p[:, None]
     nucleus = jnp.max(jnp.where(reaches, head, -jnp.inf), axis=-1)  # the largest cut that keeps top_p
     nucleus = _or_bisection((top_p < 1) & ~reaches.any(axis=-1), nucleus, probs,
                             lambda t: jnp.sum(jnp.where(probs >= t[:, None], probs, 0), axis=-1) >= top_p)

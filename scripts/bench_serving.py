@@ -4,11 +4,12 @@ A closed loop keeps --concurrency requests in flight: each time one finishes, th
 Every request has a --prompt-tokens prompt (random words cut to that many tokens, BOS included)
 and generates exactly --output-tokens tokens (ignore_eos; greedy unless --temperature, with
 --top-p and a seed). Both runs use the same engine options and the same prompts, with every step
-shape compiled first (in-process `warmup()`, and `jaxserve serve` does it before it answers), after a warm-up of
---warmup requests each; with --rounds N they alternate N times, in-process first in odd rounds
-and HTTP first in even ones (both engines stay loaded), so a change in the machine's load hits
-both alike, and the script prints each round's ratios and their median beside the ratios of
-the totals. Every round has prompts of its own, so none is a prefix-cache hit (each phase prints its hit rate):
+shape compiled first (in-process `warmup()`, and `jaxserve serve` does it before it answers),
+after a warm-up of --warmup requests each; with --rounds N they alternate N times, in-process
+first in odd rounds and HTTP first in even ones (both engines stay loaded), so a change in the
+machine's load hits both alike, and the script prints each round's ratios and their median
+beside the ratios of the totals. Every round has prompts of its own, so none is a prefix-cache
+hit (each phase prints its hit rate):
 
   in-process: Engine.from_pretrained(...) in this process, add_request / step;
   HTTP:       `jaxserve serve` (API process + engine process) on loopback, streaming completions
@@ -348,6 +349,8 @@ def _server_cpu_s(pid: int | None) -> dict[str, float]:
 def _step_summary(steps: list[dict]) -> dict:
     """How the phase's engine steps were filled and paced, from the engine's step records (as
     /v1/engine/state sends them); the interval runs from one step's dispatch to the next's."""
+    if not steps:
+        return {"count": 0}
     out = {"count": len(steps), "tokens_mean": statistics.mean(s["tokens"] for s in steps),
            "decode_rows_mean": statistics.mean(s["decode_rows"] for s in steps),
            "interval_ms_mean": 1000 * (steps[-1]["time"] - steps[0]["time"]) / max(1, len(steps) - 1)}
