@@ -54,35 +54,43 @@ def argmax(logits: jax.Array, chunk: int = 512) -> jax.Array:
 def _sample_random(logits, params: SamplingBatch, positions):
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
     inverse_temperature = 1 / jnp.maximum(params.temperature, 1e-6)
-    needs_filter = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)
+    top_k = _top_k_or_vocab(params.top_k, logits.shape[-1])
+    cuts = (top_k < logits.shape[-1]) | (params.top_p < 1)
 
     def filtered():
-        return categorical(keys, _filter(logits * inverse_temperature[:, None], params.top_k, params.top_p,
-                                         params.min_p))
+        scaled = logits * inverse_temperature[:, None]
+        return jax.lax.cond(jnp.any(cuts), lambda: _draw_filtered(keys, scaled, top_k, params.top_p, params.min_p),
+                            lambda: categorical(keys, _filter(scaled, top_k, params.top_p, params.min_p)))
     # Only a batch in which some row filters pays for finding the thresholds.
-    return jax.lax.cond(jnp.any(needs_filter), filtered, lambda: categorical(keys, logits, inverse_temperature))
+    return jax.lax.cond(jnp.any(cuts | (params.min_p > 0)), filtered,
+                        lambda: categorical(keys, logits, inverse_temperature))
+
+
+def _top_k_or_vocab(top_k, vocab):
+    """top_k [B] with "off" (0, or at least the vocabulary) as the vocabulary size."""
+    return jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
 
 
 SEARCH_WINDOW = 2048  # each row's largest logits (lax.top_k), where the cuts are looked for first
 
 
-def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
+def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW, largest=None):
     """Rows of scaled logits [B, V] with what top-k, then top-p (on the renormalized rest), then
     min-p (against the best token) drop set to -inf; tokens tied at a cut are all kept.
 
     The cuts are read off each row's `window` largest logits (lax.top_k of 2048: ~31 ms at 16 x
-    262k on CPU, where sorting the vocabulary takes ~2 s). A row whose cut lies beyond its window
-    (top-k above it, or a longer nucleus: at top-p 0.9 Gemma 3 270M's nucleus held up to 641
-    tokens after prefixes of a story, up to 1674 after random words) gets it by bisection
-    instead, 32 passes over the vocabulary (~4 ms each), run only if some row needs them. Both
-    find the same cut, but for rounding in the sums of mass."""
+    262k on CPU, where sorting the vocabulary takes ~2 s; `largest`: those already found). A row
+    whose cut lies beyond its window (top-k above it, or a longer nucleus: at top-p 0.9 Gemma 3
+    270M's nucleus held up to 641 tokens after prefixes of a story, up to 1674 after random
+    words) gets it by bisection instead, 32 passes over the vocabulary (~4 ms each), run only if
+    some row needs them. Both find the same cut, but for rounding in the sums of mass."""
     vocab = scaled.shape[-1]
-    window = min(window, vocab)
-    top_k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-    shape = (scaled.shape[0], window)
-    best, best_ids = jax.lax.cond(  # [B, W], largest first; not needed (nor computed) for min-p alone
-        jnp.any(top_k < vocab) | jnp.any(top_p < 1), lambda: tuple(jax.lax.top_k(scaled, window)),
+    top_k = _top_k_or_vocab(top_k, vocab)
+    shape = (scaled.shape[0], min(window, vocab))
+    best, best_ids = largest if largest is not None else jax.lax.cond(  # [B, W], largest first; not needed
+        jnp.any(top_k < vocab) | jnp.any(top_p < 1), lambda: tuple(jax.lax.top_k(scaled, shape[1])),  # for min-p
         lambda: (jnp.zeros(shape, scaled.dtype), jnp.zeros(shape, jnp.int32)))
+    window = best.shape[-1]
     kth = jnp.where(top_k < vocab, jnp.take_along_axis(best, jnp.minimum(top_k, window)[:, None] - 1, axis=-1)[:, 0],
                     -jnp.inf)
     kth = _or_bisection((top_k > window) & (top_k < vocab), kth, scaled,
@@ -102,6 +110,44 @@ def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
     best_prob = probs.max(axis=-1, keepdims=True)
     keep = ((top_p[:, None] >= 1) | (probs >= nucleus[:, None])) & (probs >= min_p[:, None] * best_prob)
     return jnp.where(keep | (probs == best_prob), ranked, -jnp.inf)
+
+
+def _draw_filtered(keys, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
+    """One draw per row of scaled logits [B, V] after the cuts of `_filter`. A row whose kept
+    tokens all lie among its `window` largest draws from those alone; only a batch with some
+    other row pays for `_filter` and a draw over the vocabulary. On CPU that saves about ten
+    passes over the vocabulary: what remains is the top-k and one pass for the softmax's total."""
+    top_k = _top_k_or_vocab(top_k, scaled.shape[-1])
+    # The barrier keeps XLA from folding later reads of the window into the sort that top-k
+    # lowers to, which would stop it from becoming the TopK call again (a full sort: ~1.6 s).
+    largest = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(window, scaled.shape[-1])))
+    best, best_ids = largest
+    kept, contained = _window_cuts(scaled, top_k, top_p, min_p, best)
+    drawn = categorical(keys, jnp.where(kept, best, -jnp.inf))
+    in_window = jnp.take_along_axis(best_ids, drawn[:, None], axis=-1)[:, 0]
+    return jax.lax.cond(jnp.all(contained), lambda: in_window, lambda: jnp.where(
+        contained, in_window, categorical(keys, _filter(scaled, top_k, top_p, min_p, largest=largest))))
+
+
+def _window_cuts(scaled, top_k, top_p, min_p, best):
+    """The cuts of `_filter` read on each row's largest logits best [B, W] (largest first; top_k
+    with "off" as the vocabulary size): which of them it keeps [B, W], and whether those are all
+    it keeps [B]. Only the softmax's total needs the whole row. A row keeps nothing outside its
+    window when it drops the window's last token: every token outside is no larger, so a cut (a
+    value, a probability, a share of the best probability) that drops the last drops them too."""
+    window = best.shape[-1]
+    kth = jnp.where((top_k <= window)[:, None],  # [B, 1]; a row whose top-k lies beyond is not contained
+                    jnp.take_along_axis(best, jnp.minimum(top_k, window)[:, None] - 1, axis=-1), -jnp.inf)
+    total = jnp.sum(jnp.where(scaled >= kth, jnp.exp(scaled - best[:, :1]), 0), axis=-1, keepdims=True)
+    probs = jnp.where(best >= kth, jnp.exp(best - best[:, :1]), 0) / total  # [B, W]
+    reaches = jnp.cumsum(probs, axis=-1) >= top_p[:, None]  # as in `_filter`: the largest such value is the cut
+    nucleus = jnp.max(jnp.where(reaches, probs, -jnp.inf), axis=-1, keepdims=True)
+    best_prob = probs[:, :1]
+    kept = (best >= kth) & ((top_p[:, None] >= 1) | (probs >= nucleus)) & (probs >= min_p[:, None] * best_prob)
+    kept |= probs == best_prob
+    contained = (top_k <= window) | (top_k == scaled.shape[-1])
+    contained &= ((top_p >= 1) | reaches.any(axis=-1)) & ~kept[:, -1]
+    return kept, contained
 
 
 def _or_bisection(rows, found, values, holds):

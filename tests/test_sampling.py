@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampling import SamplingBatch, _filter, argmax, categorical, sample, token_logprobs
+from jaxserve.sampling import (SamplingBatch, _draw_filtered, _filter, _top_k_or_vocab, _window_cuts, argmax,
+                               categorical, sample, token_logprobs)
 
 
 def batch(n, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
@@ -80,6 +81,44 @@ def test_threshold_filter_keeps_what_sorting_keeps(top_k, top_p, min_p, window):
     for row, out in zip(logits, kept):
         assert set(np.flatnonzero(np.isfinite(out)).tolist()) == sorted_filter_reference(row, top_k, top_p, min_p)
         np.testing.assert_array_equal(out[np.isfinite(out)], row[np.isfinite(out)])
+
+
+@pytest.mark.parametrize("window", [8, 256, 1000])
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.9, 0.0), (50, 0.8, 0.0), (0, 1.0, 0.05),
+                                               (40, 0.95, 0.02), (300, 0.9, 0.0)])
+def test_window_holds_all_kept_tokens_exactly_when_sorting_says_so(top_k, top_p, min_p, window):
+    """A row draws from its window alone only when everything it keeps lies there (and not at the
+    window's edge, where tokens outside could tie); it then keeps what sorting keeps."""
+    logits = np.random.RandomState(top_k).randn(6, 1000).astype(np.float32) * np.array([[0.5], [1], [2], [2], [4], [8]])
+    params = batch(6, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    best, ids = jax.lax.top_k(jnp.asarray(logits), window)
+    kept, contained = map(np.asarray, jax.jit(_window_cuts)(
+        jnp.asarray(logits), _top_k_or_vocab(params.top_k, 1000), params.top_p, params.min_p, best))
+    for row, row_ids, row_kept, row_contained in zip(logits, np.asarray(ids), kept, contained):
+        expected = sorted_filter_reference(row, top_k, top_p, min_p)
+        assert row_contained == (top_k <= window and expected <= set(row_ids[:-1].tolist()))
+        if row_contained:
+            assert set(row_ids[row_kept].tolist()) == expected
+
+
+def test_draws_from_the_window_and_from_the_vocabulary_follow_the_kept_softmax():
+    """Rows drawn from many keys at top-p 0.8: one whose kept tokens lie in a window of 8 (4 of
+    them), and again with a window of 2 (drawn over the vocabulary), and in one batch with a row
+    that keeps 12 tied tokens, beyond the window of 8."""
+    short = np.log(np.array([0.3, 0.25, 0.2, 0.1] + [0.15 / 16] * 16, np.float32))
+    flat = np.log(np.array([0.9 / 12] * 12 + [0.1 / 8] * 8, np.float32))
+    n = 4000
+    keys = jax.vmap(jax.random.key)(jnp.arange(n, dtype=jnp.uint32))
+    top_k, top_p, min_p = jnp.zeros(n, jnp.int32), jnp.full(n, 0.8), jnp.zeros(n)
+    draw = jax.jit(_draw_filtered, static_argnames="window")
+    expected_short = np.array([0.3, 0.25, 0.2, 0.1]) / 0.85
+    for window in (8, 2):
+        draws = np.asarray(draw(keys, jnp.asarray(np.tile(short, (n, 1))), top_k, top_p, min_p, window=window))
+        np.testing.assert_allclose(np.bincount(draws, minlength=20) / n, np.pad(expected_short, (0, 16)), atol=0.03)
+    mixed = np.asarray(draw(keys, jnp.asarray(np.tile([short, flat], (n // 2, 1))), top_k, top_p, min_p, window=8))
+    np.testing.assert_allclose(np.bincount(mixed[::2], minlength=20) / (n // 2), np.pad(expected_short, (0, 16)),
+                               atol=0.03)
+    np.testing.assert_allclose(np.bincount(mixed[1::2], minlength=20) / (n // 2), [1 / 12] * 12 + [0] * 8, atol=0.03)
 
 
 def test_window_cuts_keep_tied_tokens_as_bisection_does():
