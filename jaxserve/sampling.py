@@ -145,9 +145,12 @@ def _window_cuts(scaled, top_k, top_p, min_p, best):
     best_prob = probs[:, :1]
     kept = (best >= kth) & ((top_p[:, None] >= 1) | (probs >= nucleus)) & (probs >= min_p[:, None] * best_prob)
     kept |= probs == best_prob
-    contained = (top_k <= window) | (top_k == scaled.shape[-1])
+    vocab = scaled.shape[-1]
+    contained = (top_k <= window) | (top_k == vocab)
     contained &= ((top_p >= 1) | reaches.any(axis=-1)) & ~kept[:, -1]
-    return kept, contained
+    # A row with no top-k or top-p cut draws over the vocabulary in a batch without cuts, so it
+    # does here too: a row's token must not depend on what the others ask.
+    return kept, contained & ((top_k < vocab) | (top_p < 1))
 
 
 def _or_bisection(rows, found, values, holds):

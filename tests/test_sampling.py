@@ -87,8 +87,9 @@ def test_threshold_filter_keeps_what_sorting_keeps(top_k, top_p, min_p, window):
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.9, 0.0), (50, 0.8, 0.0), (0, 1.0, 0.05),
                                                (40, 0.95, 0.02), (300, 0.9, 0.0)])
 def test_window_holds_all_kept_tokens_exactly_when_sorting_says_so(top_k, top_p, min_p, window):
-    """A row draws from its window alone only when everything it keeps lies there (and not at the
-    window's edge, where tokens outside could tie); it then keeps what sorting keeps."""
+    """A row with a top-k or top-p cut draws from its window alone only when everything it keeps
+    lies there (and not at the window's edge, where tokens outside could tie); it then keeps what
+    sorting keeps."""
     logits = np.random.RandomState(top_k).randn(6, 1000).astype(np.float32) * np.array([[0.5], [1], [2], [2], [4], [8]])
     params = batch(6, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
     best, ids = jax.lax.top_k(jnp.asarray(logits), window)
@@ -96,7 +97,8 @@ def test_window_holds_all_kept_tokens_exactly_when_sorting_says_so(top_k, top_p,
         jnp.asarray(logits), _top_k_or_vocab(params.top_k, 1000), params.top_p, params.min_p, best))
     for row, row_ids, row_kept, row_contained in zip(logits, np.asarray(ids), kept, contained):
         expected = sorted_filter_reference(row, top_k, top_p, min_p)
-        assert row_contained == (top_k <= window and expected <= set(row_ids[:-1].tolist()))
+        cut = top_k > 0 or top_p < 1  # a row with min-p alone draws over the vocabulary wherever it is
+        assert row_contained == (cut and top_k <= window and expected <= set(row_ids[:-1].tolist()))
         if row_contained:
             assert set(row_ids[row_kept].tolist()) == expected
 
@@ -119,6 +121,19 @@ def test_draws_from_the_window_and_from_the_vocabulary_follow_the_kept_softmax()
     np.testing.assert_allclose(np.bincount(mixed[::2], minlength=20) / (n // 2), np.pad(expected_short, (0, 16)),
                                atol=0.03)
     np.testing.assert_allclose(np.bincount(mixed[1::2], minlength=20) / (n // 2), [1 / 12] * 12 + [0] * 8, atol=0.03)
+
+
+def test_a_row_draws_the_same_token_whatever_the_other_rows_ask():
+    """Rows asking for min-p alone, temperature alone, and top-p: each draws what it draws alone."""
+    logits = jnp.asarray(np.random.RandomState(4).randn(3, 1000).astype(np.float32) * 3)
+    params = batch(3, temperature=1.0)
+    params.min_p, params.top_p = jnp.array([0.05, 0.0, 0.0]), jnp.array([1.0, 1.0, 0.9])
+    jitted = jax.jit(sample)
+    for position in range(20):
+        together = np.asarray(jitted(logits, params, jnp.full(3, position)))
+        for r in range(3):
+            alone = jax.tree.map(lambda a: a[r:r + 1], params)
+            assert together[r] == np.asarray(jitted(logits[r:r + 1], alone, jnp.full(1, position)))[0]
 
 
 def test_window_cuts_keep_tied_tokens_as_bisection_does():
