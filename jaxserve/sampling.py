@@ -98,18 +98,27 @@ def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW, largest=No
     ranked = jnp.where(scaled >= kth[:, None], scaled, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
 
-    head = jnp.take_along_axis(probs, best_ids, axis=-1)  # [B, W], largest first
-    # The running mass down the window never exceeds the mass at or above that value (tied tokens
-    # later in the window or outside it add to the latter), and equals it at the end of a run of
-    # ties, so the largest value at which it reaches top_p is the cut, and it claims no cut that
-    # the whole vocabulary would not.
-    reaches = jnp.cumsum(head, axis=-1) >= top_p[:, None]
-    nucleus = jnp.max(jnp.where(reaches, head, -jnp.inf), axis=-1)  # the largest cut that keeps top_p
-    nucleus = _or_bisection((top_p < 1) & ~reaches.any(axis=-1), nucleus, probs,
+    nucleus, found = _nucleus(jnp.take_along_axis(probs, best_ids, axis=-1), top_p)
+    nucleus = _or_bisection((top_p < 1) & ~found, nucleus, probs,
                             lambda t: jnp.sum(jnp.where(probs >= t[:, None], probs, 0), axis=-1) >= top_p)
-    best_prob = probs.max(axis=-1, keepdims=True)
+    return jnp.where(_keeps(probs, probs.max(axis=-1, keepdims=True), nucleus, top_p, min_p), ranked, -jnp.inf)
+
+
+def _nucleus(head, top_p):
+    """The top-p cut [B] (a probability) read off each row's largest probabilities head [B, W]
+    (largest first), and whether the window holds it [B]. The running mass down the window never
+    exceeds the mass at or above that value (tied tokens later in the window or outside it add to
+    the latter), and equals it at the end of a run of ties, so the largest value at which it
+    reaches top_p is the cut, and it claims no cut that the whole vocabulary would not."""
+    reaches = jnp.cumsum(head, axis=-1) >= top_p[:, None]
+    return jnp.max(jnp.where(reaches, head, -jnp.inf), axis=-1), reaches.any(axis=-1)
+
+
+def _keeps(probs, best_prob, nucleus, top_p, min_p):
+    """Which of probs [B, N] the top-p cut nucleus [B] and min-p keep; tokens tied with the best
+    (best_prob [B, 1]) are always kept."""
     keep = ((top_p[:, None] >= 1) | (probs >= nucleus[:, None])) & (probs >= min_p[:, None] * best_prob)
-    return jnp.where(keep | (probs == best_prob), ranked, -jnp.inf)
+    return keep | (probs == best_prob)
 
 
 def _draw_filtered(keys, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW):
@@ -140,14 +149,10 @@ def _window_cuts(scaled, top_k, top_p, min_p, best):
                     jnp.take_along_axis(best, jnp.minimum(top_k, window)[:, None] - 1, axis=-1), -jnp.inf)
     total = jnp.sum(jnp.where(scaled >= kth, jnp.exp(scaled - best[:, :1]), 0), axis=-1, keepdims=True)
     probs = jnp.where(best >= kth, jnp.exp(best - best[:, :1]), 0) / total  # [B, W]
-    reaches = jnp.cumsum(probs, axis=-1) >= top_p[:, None]  # as in `_filter`: the largest such value is the cut
-    nucleus = jnp.max(jnp.where(reaches, probs, -jnp.inf), axis=-1, keepdims=True)
-    best_prob = probs[:, :1]
-    kept = (best >= kth) & ((top_p[:, None] >= 1) | (probs >= nucleus)) & (probs >= min_p[:, None] * best_prob)
-    kept |= probs == best_prob
+    nucleus, found = _nucleus(probs, top_p)
+    kept = (best >= kth) & _keeps(probs, probs[:, :1], nucleus, top_p, min_p)
     vocab = scaled.shape[-1]
-    contained = (top_k <= window) | (top_k == vocab)
-    contained &= ((top_p >= 1) | reaches.any(axis=-1)) & ~kept[:, -1]
+    contained = ((top_k <= window) | (top_k == vocab)) & ((top_p >= 1) | found) & ~kept[:, -1]
     # A row with no top-k or top-p cut draws over the vocabulary in a batch without cuts, so it
     # does here too: a row's token must not depend on what the others ask.
     return kept, contained & ((top_k < vocab) | (top_p < 1))
