@@ -124,16 +124,41 @@ def test_draws_from_the_window_and_from_the_vocabulary_follow_the_kept_softmax()
 
 
 def test_a_row_draws_the_same_token_whatever_the_other_rows_ask():
-    """Rows asking for min-p alone, temperature alone, and top-p: each draws what it draws alone."""
-    logits = jnp.asarray(np.random.RandomState(4).randn(3, 1000).astype(np.float32) * 3)
-    params = batch(3, temperature=1.0)
-    params.min_p, params.top_p = jnp.array([0.05, 0.0, 0.0]), jnp.array([1.0, 1.0, 0.9])
+    """Rows asking for min-p alone, temperature alone, top-p, and top-k (which alone looks in the
+    small top-k window first): each draws what it draws alone."""
+    logits = jnp.asarray(np.random.RandomState(4).randn(4, 1000).astype(np.float32) * 3)
+    params = batch(4, temperature=1.0)
+    params.min_p, params.top_p = jnp.array([0.05, 0.0, 0.0, 0.0]), jnp.array([1.0, 1.0, 0.9, 1.0])
+    params.top_k = jnp.array([0, 0, 0, 40], jnp.int32)
     jitted = jax.jit(sample)
     for position in range(20):
-        together = np.asarray(jitted(logits, params, jnp.full(3, position)))
-        for r in range(3):
+        together = np.asarray(jitted(logits, params, jnp.full(4, position)))
+        for r in range(4):
             alone = jax.tree.map(lambda a: a[r:r + 1], params)
             assert together[r] == np.asarray(jitted(logits[r:r + 1], alone, jnp.full(1, position)))[0]
+
+
+def test_a_top_k_batch_draws_in_the_small_window_what_it_draws_in_the_search_window():
+    """Rows that all cut at a top-k below TOP_K_WINDOW look among their 256 largest logits first,
+    and draw the tokens the search window gives them, with top-p and min-p too; a row whose tokens
+    tied at its k-th value run past the small window (400 of them) makes the batch fall back."""
+    rs = np.random.RandomState(5)
+    logits = rs.randn(6, 3000).astype(np.float32) * 3
+    logits[5, rs.permutation(3000)[:400]] = 12.0
+    top_k = jnp.array([1, 5, 50, 255, 64, 5], jnp.int32)
+    top_p, min_p = jnp.array([1.0, 0.9, 0.5, 0.95, 1.0, 1.0]), jnp.array([0.0, 0.0, 0.1, 0.0, 0.0, 0.0])
+    draw = jax.jit(_draw_filtered, static_argnames=("window", "top_k_window"))
+    ties = set(np.flatnonzero(logits[5] == 12.0).tolist())
+    drawn_ties = set()
+    for position in range(40):
+        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), position))(jnp.arange(6, dtype=jnp.uint32))
+        for rows in (slice(0, 5), slice(0, 6)):  # without the tied row, then with it
+            args = (keys[rows], jnp.asarray(logits[rows]), top_k[rows], top_p[rows], min_p[rows])
+            small = np.asarray(draw(*args, top_k_window=256))
+            np.testing.assert_array_equal(small, np.asarray(draw(*args, top_k_window=10 ** 6)))
+        assert small[0] == logits[0].argmax()
+        drawn_ties.add(int(small[5]))
+    assert drawn_ties <= ties and len(drawn_ties) > 30
 
 
 def test_window_cuts_keep_tied_tokens_as_bisection_does():
