@@ -3,9 +3,9 @@
 A closed loop keeps --concurrency requests in flight: each time one finishes, the next starts.
 Every request has a --prompt-tokens prompt (random words cut to that many tokens, BOS included)
 and generates exactly --output-tokens tokens (ignore_eos; greedy unless --temperature, with
---top-p and a seed). Both runs use the same engine options and the same prompts, with every step
-shape compiled first (in-process `warmup()`, and `jaxserve serve` does it before it answers),
-after a warm-up of --warmup requests each; with --rounds N they alternate N times, in-process
+--top-k, --top-p and a seed). Both runs use the same engine options and the same prompts, with
+every step shape compiled first (in-process `warmup()`, and `jaxserve serve` does it before it
+answers), after a warm-up of --warmup requests each; with --rounds N they alternate N times, in-process
 first in odd rounds and HTTP first in even ones (both engines stay loaded), so a change in the
 machine's load hits both alike, and the script prints each round's ratios and their median
 beside the ratios of the totals. Every round has prompts of its own, so none is a prefix-cache
@@ -84,8 +84,8 @@ def summarize(name: str, ttft: list[float], itl: list[float], tokens: int, elaps
 
 def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bool) -> dict:
     from jaxserve import SamplingParams
-    params = SamplingParams(max_tokens=args.output_tokens, temperature=args.temperature, top_p=args.top_p, seed=0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=0, ignore_eos=True)
 
     waits: list[float] = []  # arrival to admission (time in the waiting queue) of the last closed loop
 
@@ -143,7 +143,7 @@ async def http_closed_loop(url: str, model: str, prompts: list[str], args):
         async def one(prompt: str):
             nonlocal tokens
             body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens,
-                    "temperature": args.temperature, "top_p": args.top_p, "seed": 0,
+                    "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             start, first, n = time.perf_counter(), None, 0
             async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -248,6 +248,7 @@ def main(argv=None) -> None:
     own.add_argument("--prompt-tokens", type=int, default=128)
     own.add_argument("--output-tokens", type=int, default=64)
     own.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; OpenAI clients default to 1")
+    own.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 is off (with --temperature > 0)")
     own.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     own.add_argument("--requests", type=int, default=64)
     own.add_argument("--warmup", type=int, default=16)
