@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve import Engine, EngineConfig
 from jaxserve.engine_client import EngineClient
 from jaxserve.server import create_app
 from server_helpers import ServerThread, wait_idle
@@ -34,7 +34,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 def client(checkpoints):
     engine = Engine.from_pretrained(checkpoints("llama"), EngineConfig(
         max_slots=SLOTS, page_size=8, num_pages=96, max_model_len=256))
-    engine.generate(["the quick brown fox"] * SLOTS, SamplingParams(max_tokens=4))  # compile the usual shapes
+    engine.runner.warmup()  # every step shape, as `jaxserve serve` does: no step waits for a compile on screen
     step = engine.step
 
     def slow_step():  # the core runs in this process: slow each step so the page sees every phase
@@ -98,7 +98,7 @@ def test_dashboard_shows_requests_moving_through_slots(client, browser, tmp_path
         os.makedirs(OUT, exist_ok=True)
         for path in (os.path.join(OUT, "dashboard_busy.png"), tmp_path / "dashboard_busy.png"):
             page.screenshot(path=str(path), full_page=True)
-        page.wait_for_selector(".slot.mine", timeout=30_000)  # the form's request, once admitted
+        page.wait_for_selector(".slot.mine", timeout=60_000)  # the form's request, once admitted
 
         page.wait_for_function("() => document.getElementById('prompt-status').textContent.includes('finished (')",
                                timeout=60_000)
