@@ -220,7 +220,7 @@ def main(argv=None) -> None:
     p.add_argument("--attention", action="store_true", help="time one layer's decode attention instead")
     p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
     args = p.parse_args(argv)
-    keep_freed_memory()  # the engine's heap, set before jax starts: buffers are not page-faulted in on each call
+    keep_freed_memory()  # the engine's heap, before jax starts: no buffer re-faulted on each call
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     print(f"CPU: {model}; jax {jax.__version__}, backend {jax.default_backend()}")

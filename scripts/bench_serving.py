@@ -5,11 +5,11 @@ Every request has a --prompt-tokens prompt (random words cut to that many tokens
 and generates exactly --output-tokens tokens (ignore_eos; greedy unless --temperature, with
 --top-k, --top-p and a seed). Both runs use the same engine options and the same prompts, with
 every step shape compiled first (in-process `warmup()`, and `jaxserve serve` does it before it
-answers), after a warm-up of --warmup requests each; with --rounds N they alternate N times, in-process
-first in odd rounds and HTTP first in even ones (both engines stay loaded), so a change in the
-machine's load hits both alike, and the script prints each round's ratios and their median
-beside the ratios of the totals. Every round has prompts of its own, so none is a prefix-cache
-hit (each phase prints its hit rate):
+answers), after a warm-up of --warmup requests each; with --rounds N they alternate N times,
+in-process first in odd rounds and HTTP first in even ones (both engines stay loaded), so a
+change in the machine's load hits both alike, and the script prints each round's ratios and
+their median beside the ratios of the totals. Every round has prompts of its own, so none is a
+prefix-cache hit (each phase prints its hit rate):
 
   in-process: Engine.from_pretrained(...) in this process, add_request / step;
   HTTP:       `jaxserve serve` (API process + engine process) on loopback, streaming completions

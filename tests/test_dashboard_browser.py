@@ -34,7 +34,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 def client(checkpoints):
     engine = Engine.from_pretrained(checkpoints("llama"), EngineConfig(
         max_slots=SLOTS, page_size=8, num_pages=96, max_model_len=256))
-    engine.runner.warmup()  # every step shape, as `jaxserve serve` does: no step waits for a compile on screen
+    engine.runner.warmup()  # every step shape, as `jaxserve serve` does: no compile on screen
     step = engine.step
 
     def slow_step():  # the core runs in this process: slow each step so the page sees every phase
