@@ -6,8 +6,12 @@ Each step also keeps every sampling slot's token on the device (`slot_tokens`), 
 host does not have yet is read from there: so step N+1 can be dispatched before step N's tokens
 reach the host, and the host's scheduling overlaps the device's work.
 
-The step is compiled ahead of time once per (token, sequence) bucket of `StepBuckets` and
-counted, so a steady workload compiles nothing new. The KV pool is donated to each step and
+A step is three compiled programs: the model's `forward` per (token, sequence) bucket of
+`StepBuckets`, then `sample` (and `logprobs` when a request asks) per sequence bucket. Sampling
+costs more to compile than all 18 layers of Gemma 3 270M, and it depends only on the rows, so it
+is compiled once per row count rather than once per step shape. Every program is compiled ahead
+of time and counted, `warmup()` compiles them all (in parallel: XLA's compile releases the GIL),
+and each is saved to an `ExecutableCache`, so a warm start loads them without tracing. The KV pool is donated to each step and
 updated in place; the only device-to-host transfer per step is the sampled tokens (plus
 log-probabilities when a request asks for them). Under a device mesh, parameters and pool keep
 their shardings, step inputs are split by data-parallel replica, and attention runs per shard.
@@ -15,8 +19,9 @@ their shardings, step inputs are split by data-parallel replica, and attention r
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
+from jaxserve.executable_cache import ExecutableCache
 from jaxserve.kv_pool import allocate_kv_pool, storage_dtype
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
@@ -42,6 +48,7 @@ class RunnerConfig:
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
     num_logprobs: int = 5
     kv_dtype: str = "float32"
+    cache_dir: str | None = None  # compiled programs are saved and loaded here (None: not kept)
 
 
 @dataclasses.dataclass
@@ -87,12 +94,13 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=2 if one_row_trap else 1)
         self._compiled: dict[tuple, object] = {}
+        self.cache = None if config.cache_dir is None else ExecutableCache(config.cache_dir, self._describe())
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding
-        self._jitted = jax.jit(self._step, static_argnames=("logprobs",), donate_argnums=(1, 2))
 
     @property
     def num_compiles(self) -> int:
+        """Programs compiled or loaded: a steady workload adds none."""
         return len(self._compiled)
 
     def step(self, batch: StepBatch, logprobs: bool = False) -> StepOutput:
@@ -101,18 +109,18 @@ class Runner:
 
     def dispatch(self, batch: StepBatch, logprobs: bool = False) -> InFlight:
         """Starts a step on the device and returns at once."""
-        key = (batch.shape, logprobs)
-        inputs = (batch.tokens, batch.token_slots, batch.meta, batch.logits_indices, batch.sampling,
-                  batch.sample_slots)
-        if self.mesh is not None:
-            inputs = self._place(inputs)
-        args = (self.state, self.kv_pool, self.slot_tokens, *inputs)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._compile(args, logprobs)
-        self.kv_pool, self.slot_tokens, out = compiled(*args)
+        tokens, seqs = batch.shape
+        state, pool, slot_tokens, *inputs = self.step_args(batch)
+        tokens_in, token_slots, meta, logits_indices, sampling, sample_slots = inputs
+        forward = self._executable(("forward", tokens, seqs))
+        self.kv_pool, logits = forward(state, pool, slot_tokens, tokens_in, token_slots, meta, logits_indices)
+        sample_step = self._executable(("sample", seqs))
+        self.slot_tokens, next_tokens = sample_step(self.slot_tokens, logits, sampling, meta.kv_lens, sample_slots)
+        out = (next_tokens,)
+        if logprobs:
+            out += tuple(self._executable(("logprobs", seqs))(logits, next_tokens))
         self.tokens_run += batch.num_tokens
-        self.tokens_computed += batch.shape[0]
+        self.tokens_computed += tokens
         for x in out:
             x.copy_to_host_async()
         return InFlight(out, logprobs)
@@ -122,16 +130,31 @@ class Runner:
         out = jax.device_get(step.outputs)
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
-    def _step(self, state, kv_pool, slot_tokens, tokens, token_slots, meta: StepMetadata, logits_indices,
-              sampling: SamplingBatch, sample_slots, *, logprobs: bool):
+    def step_args(self, batch: StepBatch) -> tuple:
+        """The step's arguments for `batch`: state, pool, slot tokens, then the batch's arrays."""
+        inputs = (batch.tokens, batch.token_slots, batch.meta, batch.logits_indices, batch.sampling,
+                  batch.sample_slots)
+        if self.mesh is not None:
+            inputs = self._place(inputs)
+        return (self.state, self.kv_pool, self.slot_tokens, *inputs)
+
+    # ---- the three programs of a step ----
+
+    def _forward(self, state, kv_pool, slot_tokens, tokens, token_slots, meta: StepMetadata, logits_indices):
+        """K/V of every token into the pool; logits [R, V] of each sequence's last token."""
         model = nnx.merge(self.graphdef, state)
         tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], tokens)
         logits, kv_pool = model(tokens, kv_pool, meta, attend=self.attend, logits_indices=logits_indices)
-        next_tokens = sample(logits, sampling, positions=meta.kv_lens)
-        slot_tokens = slot_tokens.at[sample_slots].set(next_tokens, mode="drop")
-        if logprobs:
-            return kv_pool, slot_tokens, (next_tokens, *token_logprobs(logits, next_tokens, self.config.num_logprobs))
-        return kv_pool, slot_tokens, (next_tokens,)
+        return kv_pool, logits
+
+    @staticmethod
+    def _sample(slot_tokens, logits, sampling: SamplingBatch, positions, sample_slots):
+        """One token per row [R]; each sampling row's token also kept in its slot for the next step."""
+        next_tokens = sample(logits, sampling, positions=positions)
+        return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens
+
+    def _logprobs(self, logits, tokens):
+        return token_logprobs(logits, tokens, self.config.num_logprobs)
 
     def _zeros_slot_tokens(self):
         zeros = np.zeros(self.config.max_slots, np.int32)
@@ -147,37 +170,114 @@ class Runner:
 
     # ---- compilation ----
 
-    def _compile(self, args, logprobs: bool):
+    def all_programs(self) -> list[tuple]:
+        """The key of every program a step may run: forward per bucket, sample and logprobs per row count."""
+        shapes = self.buckets.all_shapes()
+        rows = sorted({s for _, s in shapes})
+        return ([("forward", t, s) for t, s in shapes] + [("sample", s) for s in rows]
+                + [("logprobs", s) for s in rows])
+
+    def _executable(self, key: tuple):
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._load_or_compile(key)
+        return compiled
+
+    def _load_or_compile(self, key: tuple, pool: concurrent.futures.Executor | None = None):
+        """The program of `key`, from the cache or compiled (in `pool` if given: then a future)."""
+        name = "-".join(map(str, key))
+        compiled = self.cache.load(name) if self.cache is not None else None
+        if compiled is not None:
+            return compiled if pool is None else _done(compiled)
+        jitted, args = self.program(key)
+        lowered = jitted.lower(*args)
+
+        def compile_and_save():
+            out = lowered.compile()
+            if self.cache is not None:
+                self.cache.save(name, out)
+            return out
+        return compile_and_save() if pool is None else pool.submit(compile_and_save)
+
+    def program(self, key: tuple):
+        """(jitted function, arguments to lower it with) of the program `key` (see `all_programs`)."""
+        kind, seqs = key[0], key[-1]
+        batch = self.padding_batch(key[1] if kind == "forward" else seqs, seqs)
+        state, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, sample_slots = \
+            self.step_args(batch)
+        rows = self.replicas * seqs
+        logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
+                                      sharding=self._rows_sharding((rows, self.model_config.vocab_size)))
+        if kind == "forward":
+            fn, donate = self._forward, (1,)
+            args = (state, pool, slot_tokens, tokens, token_slots, meta, logits_indices)
+        elif kind == "sample":
+            fn, donate = self._sample, (0,)
+            args = (slot_tokens, logits, sampling, meta.kv_lens, sample_slots)
+        else:
+            fn, donate = self._logprobs, ()
+            args = (logits, jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._rows_sharding((rows,))))
         if self.mesh is None:
-            return self._jitted.lower(*args, logprobs=logprobs).compile()
+            return jax.jit(fn, donate_argnums=donate), args
         # Explicit layouts: params and pool keep theirs (the donated pool comes back in place),
-        # step inputs are split by replica, and the sampled tokens come back replicated.
-        kv = [(self.kv_sharding, self.kv_sharding)] * len(self.kv_pool)
-        inputs = jax.tree.map(lambda x: x.sharding, args[3:])
+        # step inputs and logits are split by replica, and slot and sampled tokens are replicated.
         replicated = sharding.replicated(self.mesh)
-        step = jax.jit(functools.partial(self._step, logprobs=logprobs),
-                       in_shardings=(self.param_shardings, kv, replicated, *inputs),
-                       out_shardings=(kv, replicated, replicated), donate_argnums=(1, 2))
-        return step.lower(*args).compile()
+        kv = [(self.kv_sharding, self.kv_sharding)] * len(self.kv_pool)
+        shardings = jax.tree.map(lambda x: x.sharding, args)
+        if kind == "forward":
+            shardings = (self.param_shardings, kv, *shardings[2:])
+            out = (kv, logits.sharding)
+        else:
+            out = (replicated, replicated) if kind == "sample" else replicated
+        return jax.jit(fn, in_shardings=shardings, out_shardings=out, donate_argnums=donate), args
+
+    def _rows_sharding(self, shape):
+        return None if self.mesh is None else sharding.batch_sharding(self.mesh, shape)
+
+    def _describe(self) -> str:
+        """Everything but the step's shape that changes a compiled program (the cache's key)."""
+        leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None)))
+                  for x in jax.tree.leaves((self.state, self.kv_pool))]
+        device = jax.devices()[0]
+        return "\n".join(map(str, (
+            self.model_config, self.config, self.buckets, leaves, jax.__version__, device.platform,
+            device.client.platform_version, device.device_kind, jax.device_count(),
+            self.mesh and dict(self.mesh.shape), os.environ.get("XLA_FLAGS", ""),
+            jax.config.jax_default_matmul_precision)))
 
     def _place(self, inputs):
         """Host step inputs onto the mesh, split by replica."""
         return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
 
-    def warmup(self) -> int:
-        """Compiles every bucket ahead of time (padding only: the null page absorbs the writes);
-        returns how many shapes were new."""
-        before, counters = self.num_compiles, (self.tokens_run, self.tokens_computed)
+    def padding_batch(self, tokens: int, seqs: int) -> StepBatch:
+        """A step of the (tokens, seqs) bucket that is all padding: it writes only the null page."""
         r = self.replicas
-        for tokens, seqs in self.buckets.all_shapes():
-            greedy = SamplingBatch(np.zeros(r * seqs, np.float32), np.zeros(r * seqs, np.int32),
-                                   np.ones(r * seqs, np.float32), np.zeros(r * seqs, np.float32),
-                                   np.zeros(r * seqs, np.uint32))
-            zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
-            meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=zeros(r * tokens), kv_lens=zeros(r * seqs),
-                                block_tables=np.zeros((r * seqs, self.pages_per_seq), np.int32),
-                                query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
-            self.step(StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * seqs), greedy,
-                                np.full(r * seqs, self.config.max_slots, np.int32), zeros(0)))
-        self.tokens_run, self.tokens_computed = counters  # warm-up steps are not work
-        return self.num_compiles - before
+        zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
+        greedy = SamplingBatch(np.zeros(r * seqs, np.float32), zeros(r * seqs), np.ones(r * seqs, np.float32),
+                               np.zeros(r * seqs, np.float32), np.zeros(r * seqs, np.uint32))
+        meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=zeros(r * tokens), kv_lens=zeros(r * seqs),
+                            block_tables=np.zeros((r * seqs, self.pages_per_seq), np.int32),
+                            query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
+        return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * seqs), greedy,
+                         np.full(r * seqs, self.config.max_slots, np.int32), zeros(0))
+
+    def warmup(self, progress=None) -> int:
+        """Compiles (or loads) every program ahead of time, compiling on every core at once; returns
+        how many were new. `progress(done, total)` is called as each one is ready."""
+        keys = [k for k in self.all_programs() if k not in self._compiled]
+        workers = max(1, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {}
+            for key in keys:  # lowering holds the GIL; compiles run meanwhile in the pool
+                futures[self._load_or_compile(key, pool)] = key
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                self._compiled[futures[future]] = future.result()
+                if progress is not None:
+                    progress(done, len(keys))
+        return len(keys)
+
+
+def _done(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future

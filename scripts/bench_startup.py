@@ -1,0 +1,97 @@
+"""Where start-up goes: per step shape, tracing, lowering, XLA compile and the first call; for the
+model, the load. On Gemma 3 270M's shapes with random weights (no download, no torch).
+
+    python scripts/bench_startup.py                       # 18 layers, a few shapes
+    python scripts/bench_startup.py --layers 1,6,18 --shapes 1x1,16x16,256x8,256x32
+    python scripts/bench_startup.py --no-sampling         # the step without its sampler
+    python scripts/bench_startup.py --warmup              # Runner.warmup() of every shape, timed whole
+
+Each phase is timed on its own: `jit(...).trace(args)`, `.lower()`, `.compile()`, then the first
+and a second call. The persistent compile cache is off, so a compile is a real compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.transformer import Transformer
+from jaxserve.model.weights import expected_shapes
+from jaxserve.runner import Runner, RunnerConfig
+
+# Gemma 3 270M (google/gemma-3-270m config.json); see scripts/random_checkpoint.py.
+PERIOD = (512,) * 5 + (None,)
+
+
+def gemma3_270m(layers: int) -> ModelConfig:
+    windows = (PERIOD * 4)[:layers]
+    return ModelConfig(family="gemma3", vocab_size=262_144, hidden_size=640, intermediate_size=2048,
+                       num_layers=layers, num_heads=4, num_kv_heads=1, head_dim=256,
+                       max_position_embeddings=32_768, rope_theta=1e6, tie_embeddings=True, qk_norm=True,
+                       activation="gelu_tanh", layer_windows=windows,
+                       layer_rope_thetas=tuple(1e4 if w else 1e6 for w in windows), embed_scale=640 ** 0.5,
+                       sandwich_norms=True, query_scale=256 ** -0.5, eos_token_ids=(1,))
+
+
+def random_weights(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {name: (rng.standard_normal(shape, np.float32) * 0.02) for name, shape in expected_shapes(cfg).items()}
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def program_phases(runner: Runner, key: tuple) -> dict[str, float]:
+    """Seconds of each phase of one program, from nothing: trace, lower, compile, two calls (the
+    forward program's calls include the sampler's, already compiled)."""
+    jitted, args = runner.program(key)
+    traced, t_trace = timed(lambda: jitted.trace(*args))
+    lowered, t_lower = timed(traced.lower)
+    compiled, t_compile = timed(lowered.compile)
+    runner._compiled[key] = compiled
+    seqs = key[-1]
+    batch = runner.padding_batch(key[1] if key[0] == "forward" else seqs, seqs)
+    _, t_first = timed(lambda: runner.step(batch, logprobs=key[0] == "logprobs"))
+    _, t_second = timed(lambda: runner.step(batch, logprobs=key[0] == "logprobs"))
+    return dict(trace=t_trace, lower=t_lower, compile=t_compile, first=t_first, second=t_second)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="18")
+    parser.add_argument("--shapes", default="2x2,16x16,256x8,256x32", help="tokens x sequences, comma-separated")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--warmup", action="store_true", help="also time Runner.warmup() of every shape")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_enable_compilation_cache", False)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, dtype {args.dtype}")
+    print(f"{'layers':>6} {'program':>14} {'trace':>7} {'lower':>7} {'compile':>8} {'first':>7} {'second':>7}")
+    for layers in map(int, args.layers.split(",")):
+        cfg = gemma3_270m(layers)
+        weights, t_weights = timed(lambda: random_weights(cfg))
+        model, t_model = timed(lambda: Transformer(cfg, weights, jnp.dtype(args.dtype)))
+        runner = Runner(model, RunnerConfig(num_pages=512, page_size=16, max_slots=32, max_model_len=2048,
+                                            max_num_batched_tokens=256, kv_dtype=args.dtype))
+        print(f"# {layers} layers: random weights {t_weights:.1f} s, to device {t_model:.1f} s")
+        keys = [("sample", s) for s in sorted({int(x.split("x")[1]) for x in args.shapes.split(",")})]
+        keys += [("logprobs", k[1]) for k in keys]
+        keys += [("forward", *map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+        for key in keys:
+            p = program_phases(runner, key)
+            print(f"{layers:>6} {'-'.join(map(str, key)):>14} {p['trace']:>7.2f} {p['lower']:>7.2f} {p['compile']:>8.2f} "
+                  f"{p['first']:>7.3f} {p['second']:>7.3f}", flush=True)
+        if args.warmup:
+            n, t = timed(runner.warmup)
+            print(f"# {layers} layers: warmup() compiled {n} shapes in {t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
