@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -15,15 +14,16 @@ def generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
     print(f"[loaded {engine.model_name} in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
+    print("\n".join(f"[{line}]" for line in engine.describe().splitlines()), file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.sample_seed)
-    # A two-token run on a throwaway scheduler (so the prefix cache stays cold) compiles the step
-    # shapes these prompts need, or loads them from the persistent cache: timed on its own.
     start = time.perf_counter()
-    engine.with_strategy(engine.config.strategy).generate(args.prompt, dataclasses.replace(params, max_tokens=2))
+    compiled = engine.warmup(progress=sys.stderr.isatty())
+    cache = engine.runner.cache
+    loaded = cache.loaded if cache is not None else 0
     compiles = engine.stats()["num_compiles"]
-    print(f"[{compiles} step shapes compiled (or loaded from the persistent cache) in "
-          f"{time.perf_counter() - start:.1f} s]", file=sys.stderr)
+    print(f"[{compiles} step programs ready in {time.perf_counter() - start:.1f} s: {compiled - loaded} compiled, "
+          f"{loaded} loaded from the compile cache]", file=sys.stderr)
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--warmup", type=on_off, default=True, metavar="on|off",
                      help="compile every step shape before accepting requests (default on; later starts "
-                          "load them from jax's persistent cache)")
+                          "load them from the compile cache)")
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
                           "checkpoint converted without it)")

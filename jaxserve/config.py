@@ -24,7 +24,7 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_bytes: int = 1 << 30
     max_model_len: int | None = None
-    dtype: str = "auto"  # weights; "auto": bfloat16 (float32 accumulation, float32 activations)
+    dtype: str = "auto"  # weights; "auto": what fits the machine (`jaxserve.machine`)
     kv_cache_dtype: str = "auto"  # the KV pool; "auto": the weights' dtype
     attention_backend: str = "auto"
     seed: int = 0
@@ -69,9 +69,13 @@ class EngineConfig:
 
     @property
     def weights_dtype(self) -> str:
-        """The dtype the weights are kept in: "auto" is bfloat16 on every backend (float32 stays
-        for exact parity with Hugging Face)."""
-        return "bfloat16" if self.dtype == "auto" else self.dtype
+        """The dtype the weights are kept in: "auto" is bfloat16 on accelerators and on CPUs with
+        bfloat16 dot instructions, float32 elsewhere (`jaxserve.machine`); float32 gives exact
+        parity with Hugging Face."""
+        if self.dtype == "auto":
+            from jaxserve.machine import auto_weights_dtype
+            return auto_weights_dtype()[0]
+        return self.dtype
 
     @property
     def kv_dtype(self) -> str:

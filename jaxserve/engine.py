@@ -75,8 +75,6 @@ class Engine:
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], tokenizer: Tokenizer | None,
                  config: EngineConfig | None = None, model_name: str = "model"):
         keep_freed_memory()  # before jax starts its threads, so they share the tuned heap
-        if jax.config.jax_compilation_cache_dir is None:  # later starts reuse compiled steps
-            jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
         config = config or EngineConfig()
         self.config = config
         self.model_config = model_config
@@ -100,7 +98,8 @@ class Engine:
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
             max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS,
-            kv_dtype=config.kv_dtype), mesh=make_mesh(config.mesh) if config.mesh else None)
+            kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled")),
+            mesh=make_mesh(config.mesh) if config.mesh else None)
         self._reset_scheduler()
 
     def _reset_scheduler(self) -> None:
@@ -147,9 +146,40 @@ class Engine:
         clone._reset_scheduler()
         return clone
 
+    def warmup(self, progress: bool = False) -> int:
+        """Compiles every program a step may run (every bucket, sampling with and without
+        logprobs), or loads it from the compile cache (`$JAXSERVE_CACHE/compiled`), so that no
+        request ever waits for a compile; returns how many were new. `progress`: a tqdm bar on
+        stderr."""
+        if not progress:
+            return self.runner.warmup()
+        from tqdm import tqdm
+        with tqdm(total=len(self.runner.all_programs()), desc="compiling step programs", unit="program",
+                  leave=False) as bar:
+            return self.runner.warmup(lambda done, total: bar.update(1))
+
+    def describe(self) -> str:
+        """What start-up resolved, one line each: backend, dtypes and why, KV pages, shapes."""
+        from jaxserve.machine import auto_weights_dtype
+        config, runner = self.config, self.runner
+        device = jax.devices()[0]
+        why = auto_weights_dtype()[1] if config.dtype == "auto" else "asked for"
+        pool_bytes = sum(x.nbytes for x in runner.kv_pool)
+        buckets = runner.buckets.all_shapes()
+        return "\n".join([
+            f"model {self.model_name}: {self.model_config.num_layers} layers, vocab {self.model_config.vocab_size}",
+            f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}",
+            f"weights {config.weights_dtype} ({why}); KV cache {config.kv_dtype}",
+            f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB; "
+            f"max_model_len {self.max_model_len}",
+            f"{len(runner.all_programs())} step programs: {len(buckets)} (token, sequence) buckets up to "
+            f"{runner.buckets.max_tokens} tokens and {runner.buckets.max_seqs} sequences, sampling per row count",
+        ])
+
     @classmethod
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
-        """Loads a Hugging Face checkpoint directory, a .gguf file, or (path=None) Gemma 3 270M."""
+        """Loads a Hugging Face checkpoint directory, a .gguf file, or (path=None) Gemma 3 270M.
+        Call `warmup()` before serving, so that no request waits for a compile."""
         keep_freed_memory()
         config = config or EngineConfig()
         # With a mesh, an Orbax checkpoint is restored straight into sharded arrays.

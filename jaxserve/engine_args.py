@@ -51,7 +51,7 @@ _OPTIONS = (
     _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)"),
     _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB", _mib),
     _Option("--max-model-len", "max_model_len", "context length (default: the model's, capped at 2048)"),
-    _Option("--dtype", "dtype", "weights (auto: bfloat16 with float32 accumulation)", str, DTYPES),
+    _Option("--dtype", "dtype", "weights (auto: bfloat16 where the machine has fast bfloat16 dots, else float32)", str, DTYPES),
     _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
     _Option("--max-num-batched-tokens", "max_num_batched_tokens", "token budget of one step"),
     _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", on_off),

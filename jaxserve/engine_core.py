@@ -43,7 +43,7 @@ _REFILL_SHARE_IN_ORDER = 0.2  # ... and with steps in order
 class EngineFactory:
     """What the engine process builds: `Engine.from_pretrained(model, config)`, with every step
     shape compiled before it reports ready if `warmup` (so no request waits for a compile; later
-    starts load them from jax's persistent cache). Picklable, so the engine is built in the new
+    starts load them from the compile cache). Picklable, so the engine is built in the new
     process rather than forked from one that already started jax."""
 
     model: str | None = None
@@ -55,8 +55,10 @@ class EngineFactory:
         engine = Engine.from_pretrained(self.model, self.config)
         if self.warmup:
             start = time.perf_counter()
-            shapes = engine.runner.warmup()
-            log.info("compiled %d step shapes in %.1f s", shapes, time.perf_counter() - start)
+            log.info("resolved:\n%s", engine.describe())
+            programs = engine.warmup()
+            log.info("%d step programs compiled or loaded from the compile cache in %.1f s", programs,
+                     time.perf_counter() - start)
         return engine
 
 

@@ -42,9 +42,13 @@ def source_digest() -> str:
 class ExecutableCache:
     """`load(name)` / `save(name, compiled)` of compiled steps for one program fingerprint."""
 
-    def __init__(self, folder: str, describe: str):
+    def __init__(self, folder: str, describe: str, devices):
+        """`devices`: the devices the programs run on, in their order (a mesh's, flattened): a
+        program is loaded onto exactly those (XLA aborts on a device count that differs)."""
         self.folder = folder
-        self.fingerprint = hashlib.sha256(f"{describe}\n{source_digest()}".encode()).hexdigest()[:24]
+        self.devices = list(devices)
+        devices = ",".join(f"{d.platform}:{d.id}" for d in self.devices)
+        self.fingerprint = hashlib.sha256(f"{describe}\n{devices}\n{source_digest()}".encode()).hexdigest()[:24]
         self.loaded = 0  # entries loaded ...
         self.rejected = 0  # ... and found corrupt or unloadable
 
@@ -63,7 +67,8 @@ class ExecutableCache:
             if len(blob) <= _DIGEST or hashlib.sha256(blob[_DIGEST:]).digest() != blob[:_DIGEST]:
                 raise ValueError("checksum mismatch (truncated or corrupt)")
             payload, in_tree, out_tree = pickle.loads(blob[_DIGEST:])
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=self.devices)
         except Exception as e:  # noqa: BLE001 — any bad entry is recompiled, never fatal
             log.warning("compile cache entry %s is unusable (%s: %s): compiling again", path, type(e).__name__, e)
             self.rejected += 1

@@ -1,6 +1,8 @@
-"""The preallocated paged KV pool: per layer, K and V of shape [N, M, S, K].
+"""The preallocated paged KV pool: K and V, each of shape [N, L, M, S, K] (every layer stacked, so
+the model scans over its layers and each layer indexes its own slice in place; kv heads lead, so a
+model-parallel split of the heads stays one contiguous block per device).
 
-N kv heads, M pages (page 0 is the null page), S page size, K head dim. A bfloat16 pool may be
+L layers, N kv heads, M pages (page 0 is the null page), S page size, K head dim. A bfloat16 pool may be
 stored as its bits (uint16): XLA:CPU scatters and converts bfloat16 arrays through float32 copies
 of the whole pool, while integers are scattered in place; readers reinterpret what they gather.
 """
@@ -29,9 +31,9 @@ def storage_dtype(dtype, as_bits: bool):
     return jnp.dtype(jnp.uint16) if as_bits and jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
 
 
-def allocate_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> list:
-    """Zeroed pool: a list over layers of (k, v), each [N, M, S, K] of `dtype` (a storage dtype),
-    placed with `sharding` if given."""
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+def allocate_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> tuple:
+    """Zeroed pool (k, v), each [N, L, M, S, K] of `dtype` (a storage dtype), placed with
+    `sharding` if given."""
+    shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+    return zeros(), zeros()

@@ -94,7 +94,8 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=2 if one_row_trap else 1)
         self._compiled: dict[tuple, object] = {}
-        self.cache = None if config.cache_dir is None else ExecutableCache(config.cache_dir, self._describe())
+        devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
+        self.cache = None if config.cache_dir is None else ExecutableCache(config.cache_dir, self._describe(), devices)
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding
 
@@ -109,7 +110,7 @@ class Runner:
 
     def dispatch(self, batch: StepBatch, logprobs: bool = False) -> InFlight:
         """Starts a step on the device and returns at once."""
-        tokens, seqs = batch.shape
+        tokens, seqs = (n // self.replicas for n in batch.shape)  # a replica's bucket
         state, pool, slot_tokens, *inputs = self.step_args(batch)
         tokens_in, token_slots, meta, logits_indices, sampling, sample_slots = inputs
         forward = self._executable(("forward", tokens, seqs))
@@ -120,7 +121,7 @@ class Runner:
         if logprobs:
             out += tuple(self._executable(("logprobs", seqs))(logits, next_tokens))
         self.tokens_run += batch.num_tokens
-        self.tokens_computed += tokens
+        self.tokens_computed += batch.shape[0]
         for x in out:
             x.copy_to_host_async()
         return InFlight(out, logprobs)
@@ -162,7 +163,7 @@ class Runner:
 
     def recover(self) -> None:
         """After a failed step, which may have consumed the donated pool: fresh state if so."""
-        if any(k.is_deleted() or v.is_deleted() for k, v in self.kv_pool):
+        if any(x.is_deleted() for x in self.kv_pool):
             self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
                                             self.kv_dtype, self.kv_sharding)
         if self.slot_tokens.is_deleted():
@@ -222,7 +223,7 @@ class Runner:
         # Explicit layouts: params and pool keep theirs (the donated pool comes back in place),
         # step inputs and logits are split by replica, and slot and sampled tokens are replicated.
         replicated = sharding.replicated(self.mesh)
-        kv = [(self.kv_sharding, self.kv_sharding)] * len(self.kv_pool)
+        kv = (self.kv_sharding, self.kv_sharding)
         shardings = jax.tree.map(lambda x: x.sharding, args)
         if kind == "forward":
             shardings = (self.param_shardings, kv, *shardings[2:])

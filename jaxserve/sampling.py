@@ -134,10 +134,12 @@ def _draw_filtered(keys, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDO
     top_k = _top_k_or_vocab(top_k, vocab)
 
     def in_window(size):
-        # The barrier keeps XLA from folding later reads of the window into the sort that top-k
+        # The barriers keep XLA from folding later reads of the window into the sort that top-k
         # lowers to, which would stop it from becoming the TopK call again (a full sort: ~1.6 s).
-        largest = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(size, vocab)))
-        best, best_ids = largest
+        # One barrier per output: a barrier over both is folded onto the TopK instruction itself,
+        # and XLA:CPU's TopkDecomposer then aborts the process (a check failure in tuple_index)
+        # when the sampler is partitioned over a mesh.
+        largest = best, best_ids = tuple(map(jax.lax.optimization_barrier, jax.lax.top_k(scaled, min(size, vocab))))
         kept, contained = _window_cuts(scaled, top_k, top_p, min_p, best)
         drawn = categorical(keys, jnp.where(kept, best, -jnp.inf))
         return jnp.take_along_axis(best_ids, drawn[:, None], axis=-1)[:, 0], contained, largest

@@ -12,7 +12,8 @@ and `RULES` maps each logical axis to a mesh axis (or to None: replicated):
       gate_up  [D, F 2]      columns on model       (column-parallel in, interleaved per unit)
       down     [F, D]        rows on model          (row-parallel out: one all-reduce)
       norms    [D] / [K]     replicated
-    KV pool  per layer [N, M, S, K]: kv heads on model, pages replicated over data
+    layers   stacked params [L, ...] and pool: the layer axis is never split
+    KV pool  [N, L, M, S, K]: kv heads on model, pages replicated over data
     step inputs  flat tokens and per-sequence metadata: one equal slice per data replica, on data
     attention    per shard (shard_map): each replica's sequences, kv heads (with their query heads) on model
     step outputs sampled tokens (and logprobs) replicated, so every host can read them
@@ -48,7 +49,6 @@ M pool pages, S page size.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Callable, Mapping
@@ -79,6 +79,7 @@ RULES: dict[str, str | None] = {
     "pages": None,  # KV pool pages: replicated over data (see the module docstring)
     "page_offset": None,
     "length": None,  # tokens of a prompt, block-table width
+    "layers": None,  # the stacked layers of params and pool: each device holds every layer
 }
 
 # Logical axes of the model's parameters, by the last two names of their nnx path.
@@ -106,7 +107,7 @@ CANONICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
 }
 
-KV_POOL_AXES = ("kv_heads", "pages", "page_offset", "head_dim")  # [N, M, S, K]
+KV_POOL_AXES = ("kv_heads", "layers", "pages", "page_offset", "head_dim")  # [N, L, M, S, K]
 
 
 # ---- the mesh ----
@@ -177,13 +178,15 @@ def units_of(cfg: ModelConfig) -> dict[str, int]:
 # ---- parameters ----
 
 def param_axes(path: tuple[str, ...]) -> tuple[str | None, ...]:
-    """Logical axes of a model parameter from its nnx path, e.g. ("layers", "0", "attn", "qkv")."""
+    """Logical axes of a model parameter from its nnx path, e.g. ("layers", "attn", "qkv"): the
+    layers' parameters are stacked, so they lead with the "layers" axis."""
     names = [p for p in path if p != "value"]
+    lead = ("layers",) if names[0] == "layers" else ()
     for key in (".".join(names[-2:]), names[-1]):
         if key in MODEL_PARAM_AXES:
-            return MODEL_PARAM_AXES[key]
+            return lead + MODEL_PARAM_AXES[key]
     if names[-1] == "weight" and names[-2].endswith("norm"):
-        return NORM_AXES
+        return lead + NORM_AXES
     raise ValueError(f"no sharding rule for parameter {'.'.join(names)!r}; add it to MODEL_PARAM_AXES")
 
 
@@ -246,10 +249,13 @@ def per_shard_attention(attend, mesh: Mesh, cfg: ModelConfig):
                              kv_lens=PartitionSpec(rows), block_tables=PartitionSpec(rows, None),
                              query_start=PartitionSpec(rows), num_seqs=PartitionSpec(rows))
 
-    def sharded(q, k_pool, v_pool, meta, **options):
-        local = functools.partial(attend, **options)
-        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, pool, pool, meta_spec), out_specs=q_spec,
-                             check_vma=False)(q, k_pool, v_pool, meta)
+    def sharded(q, k_pool, v_pool, layer, meta, **options):
+        window = options.pop("sliding_window")  # an array: an argument of the shard_map, not a constant
+        local = lambda q, k, v, layer, window, meta: attend(q, k, v, layer, meta, sliding_window=window,  # noqa: E731
+                                                            **options)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, pool, pool, PartitionSpec(), PartitionSpec(),
+                                                         meta_spec),
+                             out_specs=q_spec, check_vma=False)(q, k_pool, v_pool, layer, window, meta)
     return sharded
 
 

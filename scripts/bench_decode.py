@@ -201,9 +201,9 @@ def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     """(FLOPs, bytes) of a decode step: matmuls at 2 FLOPs per weight per token, attention at 4
     per cached key and head dim; weights read once, K/V read once per sequence."""
     cfg, runner = engine.model_config, engine.runner
-    weights = sum(x.size for x in jax.tree.leaves(runner.state) if x.ndim == 2)
+    weights = sum(x.size for x in jax.tree.leaves(runner.state) if x.ndim >= 2)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.state))
-    kv_itemsize = runner.kv_pool[0][0].dtype.itemsize
+    kv_itemsize = runner.kv_pool[0].dtype.itemsize
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * kv_itemsize
     flops = 2 * weights + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
     return batch * flops, weight_bytes + batch * kv_bytes

@@ -1,13 +1,14 @@
-"""Where start-up goes: per step shape, tracing, lowering, XLA compile and the first call; for the
-model, the load. On Gemma 3 270M's shapes with random weights (no download, no torch).
+"""Where start-up goes: per step program, tracing, lowering, XLA compile and the first calls; for
+the model, making the weights and moving them to the device. On Gemma 3 270M's shapes with random
+weights (no download, no torch).
 
     python scripts/bench_startup.py                       # 18 layers, a few shapes
-    python scripts/bench_startup.py --layers 1,6,18 --shapes 1x1,16x16,256x8,256x32
-    python scripts/bench_startup.py --no-sampling         # the step without its sampler
-    python scripts/bench_startup.py --warmup              # Runner.warmup() of every shape, timed whole
+    python scripts/bench_startup.py --layers 1,6,18 --shapes 2x2,16x16,256x8,256x32
+    python scripts/bench_startup.py --warmup              # Runner.warmup() of every program, timed whole
 
-Each phase is timed on its own: `jit(...).trace(args)`, `.lower()`, `.compile()`, then the first
-and a second call. The persistent compile cache is off, so a compile is a real compile.
+Each phase is timed on its own: `jit(...).trace(args)`, `.lower()`, `.compile()`, then a first
+and a second step of that shape (a step runs forward, then sample: a sample program's first step
+also compiles the forward program it needs, hence the listed order). No compile cache is used.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import pytest
 from jax import export
 
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxserve.pallas_kernels import ragged_reference
 from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
 from jaxserve.pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
 from ragged_cases import CASES, NULL_PAGE_VALUE, make_case, oracle
@@ -127,6 +128,29 @@ def test_sliding_window_crossing_chunk_and_page_edges(kernel, window):
     # Chunks start at 6 and 16, windows reach back across the chunk edge and page edges.
     seqs = [(6, 10), (16, 5), (20, 1), (0, 9)]
     run(kernel, bucketed(window, seqs), sliding_window=window)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS) + ["reference"])
+def test_a_layer_of_the_stacked_pool_with_a_traced_window(kernel):
+    """The engine's call: the whole stacked pool [N, layers, M, P, D], the layer and the window as
+    traced int32 scalars (one scan body serves local and global layers). Each layer's answer
+    equals the oracle's on that layer's own pool, windowed or not."""
+    args = bucketed(11, [(6, 10), (16, 5), (20, 1), (0, 9)])
+    q, k, v, *meta = args
+    rng = np.random.default_rng(12)
+    layers = 3  # layer 1 holds the case's pages; the others hold noise the call must not read
+    k_stack = jnp.asarray(rng.standard_normal((k.shape[0], layers, *k.shape[1:])), k.dtype).at[:, 1].set(k)
+    v_stack = jnp.asarray(rng.standard_normal((v.shape[0], layers, *v.shape[1:])), v.dtype).at[:, 1].set(v)
+    if kernel == "reference":
+        call = ragged_paged_attention_reference
+    else:
+        call = functools.partial(KERNELS[kernel], interpret=interpret(kernel), **small(kernel, args))
+    step = jax.jit(lambda layer, window, *a: call(*a, layer=layer, sliding_window=window))
+    tol = TOL["float32"]
+    for window, expect in ((5, 5), (ragged_reference.NO_WINDOW, None)):
+        out = step(jnp.int32(1), jnp.int32(window), q, k_stack, v_stack, *meta)
+        np.testing.assert_allclose(np.asarray(out, np.float64), oracle(*args, sliding_window=expect),
+                                   atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

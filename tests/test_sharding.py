@@ -129,35 +129,37 @@ def check_layouts() -> dict:
     cfg = tiny_config()  # V 256, D 64, F 128, H 16, N 8, K 8
     engine = Engine(cfg, tiny_weights(cfg), None, engine_config({"data": 2, "model": 4}))
     runner = engine.runner
-    layer = runner.state["layers"][0]
+    layer = runner.state["layers"]  # every layer's parameters stacked [L, ...]
+    layers = cfg.num_layers
     expected = {  # per-device shard shapes on a 4-way model axis; replicated over the 2-way data axis
         "embed": (runner.state["embed"], (64, 64)),
         "lm_head": (runner.state["lm_head"], (64, 64)),
-        "qkv": (layer["attn"]["qkv"], (64, (16 + 2 * 8) * 8 // 4)),  # column-parallel in
-        "out": (layer["attn"]["out"], (16 * 8 // 4, 64)),  # row-parallel out
-        "gate_up": (layer["mlp"]["gate_up"], (64, 2 * 128 // 4)),
-        "down": (layer["mlp"]["down"], (128 // 4, 64)),
-        "attn_norm": (layer["attn_norm"]["weight"], (64,)),
+        "qkv": (layer["attn"]["qkv"], (layers, 64, (16 + 2 * 8) * 8 // 4)),  # column-parallel in
+        "out": (layer["attn"]["out"], (layers, 16 * 8 // 4, 64)),  # row-parallel out
+        "gate_up": (layer["mlp"]["gate_up"], (layers, 64, 2 * 128 // 4)),
+        "down": (layer["mlp"]["down"], (layers, 128 // 4, 64)),
+        "attn_norm": (layer["attn_norm"]["weight"], (layers, 64)),
     }
     for name, (param, shape) in expected.items():
         assert len(param.addressable_shards) == 8, name
         assert shard_shapes(param[...]) == {shape}, (name, shard_shapes(param[...]))
-    assert layer["attn"]["qkv"][...].sharding.spec == P(None, "model")
-    assert layer["attn"]["out"][...].sharding.spec == P("model", None)
+    assert layer["attn"]["qkv"][...].sharding.spec == P(None, None, "model")
+    assert layer["attn"]["out"][...].sharding.spec == P(None, "model", None)
 
     def check_pool():
-        for k, v in runner.kv_pool:
-            for a in (k, v):  # [N, M, S, K]: kv heads split 4 ways, pages replicated over data
-                assert a.sharding.spec == P("model", None, None, None), a.sharding
-                assert shard_shapes(a) == {(8 // 4, 64, 8, 8)}
+        for a in runner.kv_pool:  # [N, L, M, S, K]: kv heads split 4 ways, layers and pages whole
+            assert a.sharding.spec == P("model", None, None, None, None), a.sharding
+            assert shard_shapes(a) == {(8 // 4, layers, 64, 8, 8)}
     check_pool()
     generate(engine)
     check_pool()  # the donated pool keeps its layout across steps
-    step = runner._compiled[next(iter(runner._compiled))]
-    slot_tokens_sharding, tokens_sharding = step.input_shardings[0][2:4]
+    forward = next(v for k, v in runner._compiled.items() if k[0] == "forward")
+    sample = next(v for k, v in runner._compiled.items() if k[0] == "sample")
+    slot_tokens_sharding, tokens_sharding = forward.input_shardings[0][2:4]
     assert tokens_sharding.spec == P("data"), tokens_sharding  # each replica's tokens on its own devices
     assert slot_tokens_sharding.is_fully_replicated  # the last sampled token of every slot, everywhere
-    assert step.output_shardings[2][0].is_fully_replicated  # the sampled tokens, readable on every host
+    assert forward.output_shardings[1].spec == P("data", None)  # logits: each replica's rows
+    assert all(s.is_fully_replicated for s in sample.output_shardings)  # slot and sampled tokens, everywhere
     assert jax.device_count() == 8
     return {}
 
@@ -167,9 +169,9 @@ def check_replicated_kv() -> dict:
     from jaxserve import Engine
     cfg = tiny_config(num_heads=8, num_kv_heads=2)
     engine = Engine(cfg, tiny_weights(cfg), None, engine_config({"data": 2, "model": 4}))
-    k = engine.runner.kv_pool[0][0]
-    assert k.sharding.spec == P(None, None, None, None) and shard_shapes(k) == {(2, 64, 8, 8)}
-    assert engine.runner.state["layers"][0]["attn"]["out"][...].sharding.spec == P("model", None)  # 8 q heads split
+    k = engine.runner.kv_pool[0]
+    assert k.sharding.spec == P(None, None, None, None, None) and shard_shapes(k) == {(2, cfg.num_layers, 64, 8, 8)}
+    assert engine.runner.state["layers"]["attn"]["out"][...].sharding.spec == P(None, "model", None)  # 8 q heads
     return {"tokens": generate(engine)}
 
 

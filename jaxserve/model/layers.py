@@ -6,6 +6,7 @@ F MLP width.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.paged_attention import Attend, StepMetadata, write_kv
+from jaxserve.pallas_kernels.ragged_reference import NO_WINDOW
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -64,13 +66,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
-    """Rotate-half RoPE. x: [T, heads, K]; positions: [T]; inv_freq: K/2 floats."""
-    angles = positions.astype(jnp.float32)[..., None] * np.asarray(inv_freq, np.float32)  # [T, K/2]
+    """Rotate-half RoPE. x: [T, heads, K]; positions: [T]; inv_freq: [K/2] float32."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [T, K/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerConstants:
+    """What one layer of a scan knows of itself (each field stacked [L, ...] for the scan)."""
+
+    index: jax.Array  # int32: the layer's slice of the KV pool
+    window: jax.Array  # int32: its sliding window, NO_WINDOW for a global layer
+    inv_freq: jax.Array  # [K/2] float32: its RoPE frequencies (local and global layers differ)
+
+    @classmethod
+    def stacked(cls, cfg: ModelConfig) -> "LayerConstants":
+        freqs = [rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling if window is None else None)
+                 for theta, window in zip(cfg.layer_rope_thetas, cfg.layer_windows)]
+        return cls(index=np.arange(cfg.num_layers, dtype=np.int32),
+                   window=np.array([NO_WINDOW if w is None else w for w in cfg.layer_windows], np.int32),
+                   inv_freq=np.stack(freqs).astype(np.float32))
 
 
 class MLP(nnx.Module):
@@ -93,25 +113,22 @@ class MLP(nnx.Module):
 
 class Attention(nnx.Module):
     """Grouped-query attention that writes its K/V into the paged pool, then attends over each
-    token's own sequence through `attend` (decode tokens and prompt chunks alike)."""
+    token's own sequence through `attend` (decode tokens and prompt chunks alike). What differs
+    between layers (window, RoPE frequencies, the pool slice) comes in as arrays, so one traced
+    layer serves every layer of a scan."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, jax.Array], norm_eps: float):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, jax.Array], norm_eps: float):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nnx.Param(weights["qkv"])  # [D, N (G + 2) K], grouped per kv head
         self.qkv_bias = nnx.Param(weights["qkv_bias"]) if "qkv_bias" in weights else None
         self.out = nnx.Param(weights["o_proj"])  # [H K, D]
         self.q_norm = RMSNorm(weights["q_norm"], norm_eps) if "q_norm" in weights else None
         self.k_norm = RMSNorm(weights["k_norm"], norm_eps) if "k_norm" in weights else None
-        # A tuple, not an array: a static constant of the compiled function, not a parameter.
-        self.inv_freq = tuple(rope_inv_freq(
-            cfg.head_dim, cfg.layer_rope_thetas[layer],
-            cfg.rope_scaling if cfg.layer_windows[layer] is None else None).tolist())
-        self.window = cfg.layer_windows[layer]
         self.scale = cfg.scale
         self.soft_cap = cfg.attn_logit_softcap
 
-    def __call__(self, x, kv, meta: StepMetadata, attend: Attend):
-        """x: [T, D]; kv: (k [N, M, S, K], v). Returns ([T, D], kv)."""
+    def __call__(self, x, kv, layer: LayerConstants, meta: StepMetadata, attend: Attend):
+        """x: [T, D]; kv: (k [N, L, M, S, K], v). Returns ([T, D], kv)."""
         t = x.shape[0]
         h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = dense(x, self.qkv[...])
@@ -122,9 +139,9 @@ class Attention(nnx.Module):
         key, value = qkv[..., -2, :], qkv[..., -1, :]  # [T, N, K]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
-        q = apply_rope(q, meta.positions, self.inv_freq)
-        key = apply_rope(key, meta.positions, self.inv_freq)
-        k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping)
-        out = attend(q, k_pool, v_pool, meta, sm_scale=self.scale, sliding_window=self.window,
+        q = apply_rope(q, meta.positions, layer.inv_freq)
+        key = apply_rope(key, meta.positions, layer.inv_freq)
+        k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping, layer.index)
+        out = attend(q, k_pool, v_pool, layer.index, meta, sm_scale=self.scale, sliding_window=layer.window,
                      soft_cap=self.soft_cap)
         return dense(out.reshape(t, h * k), self.out[...]), (k_pool, v_pool)

@@ -5,8 +5,10 @@ A step is a flat run of tokens from many sequences (decode tokens and prompt chu
 token's K/V goes to its pool slot (`slot_mapping`), then every query attends over its own
 sequence's pages through `attend`, a function chosen by the runner: a backend of
 `jaxserve.pallas_kernels.backend`, wrapped per shard under a device mesh.
-Pool layout per layer: k, v `[N, M, S, K]`; page 0 is the null page that padding reads and writes.
-Legend: T tokens, R sequences, W pages per sequence, N kv heads, M pool pages, S page size, K head dim.
+Pool layout: k, v `[N, L, M, S, K]`, every layer stacked; a layer writes and reads its own slice
+(index `layer`) in place, never a copy of it. Page 0 is the null page that padding reads and writes.
+Legend: T tokens, R sequences, W pages per sequence, L layers, N kv heads, M pool pages, S page
+size, K head dim.
 """
 
 from __future__ import annotations
@@ -36,20 +38,25 @@ class StepMetadata:
 
 
 class Attend(Protocol):
-    def __call__(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: StepMetadata, *,
-                 sm_scale: float, sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-        """q [T, H, K] against the pool -> [T, H, K]."""
+    def __call__(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, meta: StepMetadata,
+                 *, sm_scale: float, sliding_window: jax.Array, soft_cap: float | None) -> jax.Array:
+        """q [T, H, K] against layer `layer` (int32 scalar) of the pool [N, L, M, S, K] -> [T, H, K];
+        `sliding_window` an int32 scalar (`NO_WINDOW` for a global layer)."""
 
 
-def write_kv(kv, key, value, slot_mapping):
-    """Scatters the step's K/V into the pool. key, value: [T, N, K]; slot_mapping: [T]."""
-    return _scatter(kv[0], key, slot_mapping), _scatter(kv[1], value, slot_mapping)
+def write_kv(kv, key, value, slot_mapping, layer):
+    """Scatters the step's K/V into layer `layer` of the pool. key, value: [T, N, K]; slot_mapping: [T]."""
+    return _scatter(kv[0], key, slot_mapping, layer), _scatter(kv[1], value, slot_mapping, layer)
 
 
-def _scatter(pool, new, slot_mapping):
-    """pool [N, M, S, K] with new [T, N, K] written at slots [T]; a uint16 pool holds bfloat16 bits."""
-    n, m, s, k = pool.shape
-    new = new.swapaxes(0, 1)  # [N, T, K]
+def _scatter(pool, new, slot_mapping, layer):
+    """pool [N, L, M, S, K] with new [T, N, K] written at (layer, slots [T]); a uint16 pool holds
+    bfloat16 bits. The write goes through a [N L, M S, K] view of the pool (a bitcast) with the
+    two index arrays side by side, so XLA keeps the pool's layout and scatters in place."""
+    n, l, m, s, k = pool.shape
     if pool.dtype == jnp.uint16:
         new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
-    return pool.reshape(n, m * s, k).at[:, slot_mapping].set(new.astype(pool.dtype)).reshape(n, m, s, k)
+    rows = jnp.arange(n) * l + layer  # [N]: the layer's heads in the flat view
+    flat = pool.reshape(n * l, m * s, k).at[rows[:, None], slot_mapping[None, :]].set(
+        new.swapaxes(0, 1).astype(pool.dtype))  # [N, T, K]
+    return flat.reshape(n, l, m, s, k)

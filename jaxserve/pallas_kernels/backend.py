@@ -27,8 +27,8 @@ def select_backend(name: str = "auto") -> str:
 
 
 def ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, backend: str,
-                     sm_scale: float | None = None, sliding_window: int | None = None,
-                     soft_cap: float | None = None, interpret: bool | None = None) -> jax.Array:
+                     sm_scale: float | None = None, sliding_window=None, soft_cap: float | None = None,
+                     interpret: bool | None = None, layer=None) -> jax.Array:
     """Ragged paged attention (contract: `ragged_reference`) by the chosen backend.
 
     "pallas" runs the TPU kernel on a TPU and the GPU (Triton-style) kernel elsewhere, in
@@ -36,7 +36,7 @@ def ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, nu
     """
     resolved = select_backend(backend)
     args = (q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
     if resolved == "reference":
         return ragged_paged_attention_reference(*args, **options)
     if interpret is None:
@@ -49,9 +49,9 @@ def ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, nu
 
 
 def attention_fn(backend: str):
-    """`attend(q, k_pool, v_pool, meta, **options)` for the model: the step metadata unpacked into
-    a ragged attention call by `backend`."""
-    def attend(q, k_pool, v_pool, meta, **options):
+    """`attend(q, k_pool, v_pool, layer, meta, **options)` for the model: the step metadata unpacked
+    into a ragged attention call by `backend` on layer `layer` of the stacked pool."""
+    def attend(q, k_pool, v_pool, layer, meta, **options):
         return ragged_attention(q, k_pool, v_pool, meta.kv_lens, meta.block_tables, meta.query_start,
-                                meta.num_seqs, backend=backend, **options)
+                                meta.num_seqs, backend=backend, layer=layer, **options)
     return functools.wraps(ragged_attention)(attend)

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.pallas_kernels.ragged_reference import (  # noqa: F401 (the reference, re-exported)
-    check_ragged_inputs, ragged_paged_attention_reference)
+    check_ragged_inputs, ragged_paged_attention_reference, stacked_pool, window_value)
 
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 MIN_DOT = 16  # Triton's smallest dot operand dimension
@@ -73,19 +73,20 @@ def _ragged_kernel(
     kv_lens_ref,  # [S] int32
     query_start_ref,  # [S + 1] int32
     tables_ref,  # [S, W'] int32: block tables, padded with the null page to whole key blocks
+    layer_ref,  # [2] int32: the layer's first page in k_ref (layer x M), its sliding window
     q_ref,  # [R, D]: Q tokens x G' heads of this kv head, row r = g * Q + t
-    k_ref,  # [M, P, D]: this kv head's key pages
-    v_ref,  # [M, P, D]: this kv head's value pages
+    k_ref,  # [Λ M, P, D]: this kv head's key pages, every layer's
+    v_ref,  # [Λ M, P, D]: this kv head's value pages
     o_ref,  # [R, D]: this split's output (normalized over its keys)
     *lse_ref,  # with kv splits: [R] float32 log-sum-exp of this split's scores (NEG: none seen)
     block_q: int,
     pages_per_block: int,
     kv_splits: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
 ):
     rows, head_dim = q_ref.shape
+    page0, sliding_window = layer_ref[0], layer_ref[1]
     page_size = k_ref.shape[1]
     keys = pages_per_block * page_size  # L
     max_blocks = tables_ref.shape[1] // pages_per_block
@@ -104,16 +105,14 @@ def _ragged_kernel(
         # Key blocks those rows can see: up to the last row's position, from the first row's window.
         hi = jnp.where(hi_row > lo_row, (pos0 + hi_row - 1 - start) // keys + 1, 0)
         hi = jnp.minimum(hi, max_blocks)
-        lo = jnp.int32(0)
-        if sliding_window is not None:
-            lo = jnp.minimum(jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0) // keys, hi)
+        lo = jnp.minimum(jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0) // keys, hi)
         if kv_splits > 1:  # this program's share of those key blocks
             share = (hi - lo + kv_splits - 1) // kv_splits
             lo = jnp.minimum(lo + split * share, hi)
             hi = jnp.minimum(lo + share, hi)
 
         def key_block(b, carry):
-            page_ids = tables_ref[s, pl.ds(b * pages_per_block, pages_per_block)]  # [B]
+            page_ids = page0 + tables_ref[s, pl.ds(b * pages_per_block, pages_per_block)]  # [B]
             k = k_ref[page_ids].reshape(keys, head_dim)  # [L, D]
             v = v_ref[page_ids].reshape(keys, head_dim)  # [L, D]
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -122,8 +121,7 @@ def _ragged_kernel(
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)  # [L]
             visible = mine[:, None] & (k_pos[None, :] <= q_pos[:, None])  # [R, L]
-            if sliding_window is not None:
-                visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
             return online_softmax_update(carry, scores, visible, v, precision)
 
         return lax.fori_loop(lo, hi, key_block, carry)
@@ -178,17 +176,18 @@ def _dot_precision(dtype) -> lax.Precision | None:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [N, M, P, D]
-    v_pages: jax.Array,  # [N, M, P, D]
+    k_pages: jax.Array,  # [N, M, P, D], or the stacked [N, Λ, M, P, D] with `layer`
+    v_pages: jax.Array,  # likewise
     kv_lens: jax.Array,  # [S] int32
     block_tables: jax.Array,  # [S, W] int32
     query_start: jax.Array,  # [S + 1] int32
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window=None,  # int, None or an int32 scalar
     soft_cap: float | None = None,
     interpret: bool = False,
+    layer=None,  # int32 scalar: the layer of a stacked pool
     block_q: int | None = None,
     pages_per_block: int | None = None,
     kv_splits: int | None = None,
@@ -211,8 +210,9 @@ def ragged_paged_attention(
     """
     name = "ragged_paged_attention"
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                        sliding_window, soft_cap, name=name)
-    kv_heads, _, page_size, head_dim = k_pages.shape
+                        sliding_window, soft_cap, name=name, layer=layer)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
+    kv_heads, _, _, page_size, head_dim = k_pages.shape
     group_p = next_pow2(q.shape[1] // kv_heads)  # G'
     if not is_pow2(page_size) or not is_pow2(head_dim) or head_dim < MIN_DOT:
         raise ValueError(f"{name}: page_size ({page_size}) and head_dim ({head_dim}) must be powers "
@@ -233,21 +233,24 @@ def ragged_paged_attention(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {what} must be a positive int, got {value!r}")
     return _ragged_jit(
-        q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-        sm_scale=resolve_scale(sm_scale, head_dim), sliding_window=sliding_window,
+        q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, layer, window_value(sliding_window),
+        sm_scale=resolve_scale(sm_scale, head_dim),
         soft_cap=None if soft_cap is None else float(soft_cap), block_q=block_q,
         pages_per_block=pages_per_block, kv_splits=kv_splits, interpret=interpret,
         num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
-                                             "pages_per_block", "kv_splits", "interpret",
-                                             "num_warps", "num_stages"))
-def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
-                sliding_window, soft_cap, block_q, pages_per_block, kv_splits, interpret,
-                num_warps, num_stages):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "pages_per_block", "kv_splits",
+                                             "interpret", "num_warps", "num_stages"))
+def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, layer, window, *, sm_scale,
+                soft_cap, block_q, pages_per_block, kv_splits, interpret, num_warps, num_stages):
     tokens, heads, head_dim = q.shape
-    kv_heads, num_pages, page_size, _ = k_pages.shape
+    kv_heads, layers, num_pages, page_size, _ = k_pages.shape
+    # Every layer's pages of a kv head on one axis (a bitcast): the kernel reads its layer's pages
+    # in place at an offset, and no layer's slice of the pool is copied out.
+    k_pages = k_pages.reshape(kv_heads, layers * num_pages, page_size, head_dim)
+    v_pages = v_pages.reshape(kv_heads, layers * num_pages, page_size, head_dim)
+    layer_info = jnp.stack([layer * num_pages, window]).astype(jnp.int32)  # [2]
     group_p = next_pow2(heads // kv_heads)
     rows = block_q * group_p  # R
     # Dots in the pool's dtype (float32 activations over a bfloat16 pool: q is rounded once
@@ -259,10 +262,9 @@ def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seq
     seqs, width = tables.shape
 
     kernel = functools.partial(_ragged_kernel, block_q=block_q, pages_per_block=pages_per_block,
-                               kv_splits=kv_splits, sm_scale=sm_scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               kv_splits=kv_splits, sm_scale=sm_scale, soft_cap=soft_cap)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, c: (0,) * len(shape))  # noqa: E731
-    pages = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, c: (h, 0, 0, 0))
+    pages = pl.BlockSpec((None, layers * num_pages, page_size, head_dim), lambda i, h, c: (h, 0, 0, 0))
     # One split writes the output directly; several write float32 partials merged below.
     out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda i, h, c: (c, h, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((kv_splits, *q_rows.shape), q.dtype if kv_splits == 1 else jnp.float32)]
@@ -278,6 +280,7 @@ def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seq
             whole((seqs,)),  # kv_lens
             whole((seqs + 1,)),  # query_start
             whole((seqs, width)),  # tables
+            whole((2,)),  # layer_info
             pl.BlockSpec((None, rows, head_dim), lambda i, h, c: (h, i, 0)),  # q
             pages,  # k
             pages,  # v
@@ -287,7 +290,7 @@ def _ragged_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seq
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
-    )(first, last, kv_lens, query_start, tables, q_rows, k_pages, v_pages)
+    )(first, last, kv_lens, query_start, tables, layer_info, q_rows, k_pages, v_pages)
     merged = out[0][0] if kv_splits == 1 else merge_splits(*out).astype(q.dtype)
     return from_block_rows(merged, tokens, heads, block_q, group_p)
 

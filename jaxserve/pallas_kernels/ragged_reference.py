@@ -10,7 +10,9 @@ step's new K/V are already written there. Only the first `num_seqs[0]` sequences
 that no real sequence owns (token padding) come back as zeros, and so does a row that sees no key.
 
   q            [T, H, D]     queries, float32 or bfloat16
-  k/v_pages    [N, M, P, D]  one layer of the pool (page 0 is the null page)
+  k/v_pages    [N, M, P, D]  one layer of the pool (page 0 is the null page), or the whole stacked
+               [N, Λ, M, P, D] pool with `layer` (an int32 scalar) naming the layer to read:
+               the pool is indexed in place, never sliced into a copy
   kv_lens      [S] int32     tokens of each sequence after the step (0 for padding sequences)
   block_tables [S, W] int32  page ids; entries past a sequence's pages point to page 0
   query_start  [S + 1] int32 cumulative query rows (non-decreasing, query_start[0] == 0)
@@ -23,7 +25,9 @@ gathering just that block for every sequence, with an online softmax in float32.
 (more than one row) loop over sequences, then over blocks of `block_q` rows, then over the key
 blocks those rows can see (causal and window bounds), so cost follows the real lengths and the
 block-table width costs nothing.
-Legend: T tokens, H query heads, N kv heads, G = H / N, D head dim, M pool pages, P page size,
+`sliding_window` is a Python int, None, or an int32 scalar array (`NO_WINDOW`: none), so one
+traced layer serves local and global layers alike.
+Legend: Λ layers, T tokens, H query heads, N kv heads, G = H / N, D head dim, M pool pages, P page size,
 S sequences, W pages per sequence, B pages per key block, L = B P keys per block, Q rows per block.
 """
 
@@ -38,18 +42,34 @@ from jax import lax
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 KEYS_PER_BLOCK = 64  # L: measured fastest for decode on XLA:CPU (16 to 128 keys tried)
 ROWS_PER_BLOCK = 32  # Q for prompt chunks
+NO_WINDOW = 1 << 30  # the sliding window of a global layer: longer than any sequence
+
+
+def window_value(sliding_window) -> jax.Array:
+    """The window as an int32 scalar (NO_WINDOW for None)."""
+    return jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
+
+
+def stacked_pool(k_pages, v_pages, layer):
+    """(k, v, layer) with the pool stacked [N, Λ, M, P, D]: a single layer's pool gains Λ = 1."""
+    if layer is None:
+        return k_pages[:, None], v_pages[:, None], jnp.int32(0)
+    return k_pages, v_pages, jnp.asarray(layer, jnp.int32)
 
 
 def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                        sliding_window=None, soft_cap=None, *, name: str, bits: bool = False) -> None:
+                        sliding_window=None, soft_cap=None, *, name: str, bits: bool = False,
+                        layer=None) -> None:
     """Shapes, dtypes and options of a ragged attention call; raises ValueError naming the input.
-    `bits`: the pool may also be uint16, holding bfloat16 bits (see `jaxserve.kv_pool`)."""
+    `bits`: the pool may also be uint16, holding bfloat16 bits (see `jaxserve.kv_pool`); with
+    `layer`, the pool is the stacked [layers, ...] one."""
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"{name}: k_pages and v_pages must both be [kv_heads, pages, page_size, head_dim], "
+    layers = "" if layer is None else "layers, "
+    if k_pages.ndim != 4 + (layer is not None) or k_pages.shape != v_pages.shape:
+        raise ValueError(f"{name}: k_pages and v_pages must both be [kv_heads, {layers}pages, page_size, head_dim], "
                          f"got {k_pages.shape} and {v_pages.shape}")
-    kv_heads, _, _, head_dim = k_pages.shape
+    kv_heads, head_dim = k_pages.shape[0], k_pages.shape[-1]
     if q.shape[2] != head_dim:
         raise ValueError(f"{name}: q head_dim {q.shape[2]} != k_pages head_dim {head_dim}")
     if q.shape[1] % kv_heads:
@@ -73,7 +93,8 @@ def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start,
         raise ValueError(f"{name}: query_start must be int32 [{seqs + 1}], got {query_start.dtype} {query_start.shape}")
     if num_seqs.shape != (1,) or num_seqs.dtype != jnp.int32:
         raise ValueError(f"{name}: num_seqs must be int32 [1], got {num_seqs.dtype} {num_seqs.shape}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and not isinstance(sliding_window, jax.Array) and (
+            not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"{name}: sliding_window must be a positive int or None, got {sliding_window!r}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"{name}: soft_cap must be positive or None, got {soft_cap!r}")
@@ -82,13 +103,14 @@ def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start,
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *,
                                      sm_scale: float | None = None, sliding_window: int | None = None,
                                      soft_cap: float | None = None, keys_per_block: int = KEYS_PER_BLOCK,
-                                     rows_per_block: int = ROWS_PER_BLOCK) -> jax.Array:
+                                     rows_per_block: int = ROWS_PER_BLOCK, layer=None) -> jax.Array:
     """Ragged paged attention in plain jnp (see the module docstring for the contract)."""
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                        sliding_window, soft_cap, name="ragged_paged_attention_reference", bits=True)
+                        sliding_window, soft_cap, name="ragged_paged_attention_reference", bits=True, layer=layer)
     kv_lens, block_tables, query_start, num_seqs = map(jnp.asarray, (kv_lens, block_tables, query_start, num_seqs))
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     tokens, heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, _, page_size, _ = k_pages.shape
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     pages_per_block = max(1, keys_per_block // page_size)  # B
     width = block_tables.shape[1]
@@ -96,7 +118,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     tables = jnp.pad(block_tables, ((0, 0), (0, padded - width)))  # whole blocks: slices never clamp
     q_len = query_start[1:] - query_start[:-1]  # [S]
     real = jnp.arange(kv_lens.shape[0]) < num_seqs[0]
-    options = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, pages_per_block=pages_per_block)
+    options = dict(scale=scale, window=window_value(sliding_window), soft_cap=soft_cap,
+                   pages_per_block=pages_per_block, layer=layer)
 
     out = jnp.zeros((tokens + rows_per_block, heads, head_dim), jnp.float32)  # spare rows: slices never clamp
     is_decode = real & (q_len == 1)
@@ -113,10 +136,15 @@ def as_values(pages):
     return lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
 
 
-def _gather(k_pages, v_pages, pages):
-    """This block's pages, and only them, in their value dtype. The barrier keeps XLA from hoisting
-    a conversion of a bfloat16 pool out of the loop, which would convert the whole pool per layer."""
-    k, v = lax.optimization_barrier((k_pages[:, pages], v_pages[:, pages]))
+def _gather(k_pages, v_pages, layer, pages):
+    """This block's pages [N, *pages.shape, P, D] of layer `layer`, and only them, in their value
+    dtype: one gather from the stacked pool, whose layers and heads are flattened into one axis so
+    that no layer's slice is ever copied out. The barrier keeps XLA from hoisting a conversion of a
+    bfloat16 pool out of the loop, which would convert the whole pool per layer."""
+    kv_heads, layers, num_pages, page_size, head_dim = k_pages.shape
+    rows = (jnp.arange(kv_heads) * layers + layer).reshape((kv_heads,) + (1,) * pages.ndim)
+    flat = lambda pool: pool.reshape(kv_heads * layers, num_pages, page_size, head_dim)  # noqa: E731
+    k, v = lax.optimization_barrier((flat(k_pages)[rows, pages[None]], flat(v_pages)[rows, pages[None]]))
     return as_values(k), as_values(v)
 
 
@@ -152,24 +180,22 @@ def _finish(acc, l):
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
-def _decode_rows(q, k_pages, v_pages, lengths, tables, *, scale, window, soft_cap, pages_per_block):
+def _decode_rows(q, k_pages, v_pages, lengths, tables, *, scale, window, soft_cap, pages_per_block, layer):
     """One query per sequence at position lengths - 1 (0: none). q [S, H, D] -> [S, H, D] float32."""
     seqs, heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, _, page_size, _ = k_pages.shape
     keys = pages_per_block * page_size  # L
     qg = q.reshape(seqs, kv_heads, heads // kv_heads, head_dim).swapaxes(0, 1).astype(jnp.float32)  # [N, S, G, D]
     hi = (lengths.max() + keys - 1) // keys
-    lo = 0 if window is None else jnp.where(lengths > 0, jnp.maximum(lengths - window, 0), 1 << 30).min() // keys
+    lo = jnp.where(lengths > 0, jnp.maximum(lengths - window, 0), 1 << 30).min() // keys
 
     def block(i, carry):
         pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)  # [S, B]
-        k, v = _gather(k_pages, v_pages, pages)
+        k, v = _gather(k_pages, v_pages, layer, pages)
         k = k.reshape(kv_heads, seqs, keys, head_dim)  # [N, S, L, D]
         v = v.reshape(kv_heads, seqs, keys, head_dim)
         pos = i * keys + jnp.arange(keys)  # [L]
-        visible = pos[None, :] < lengths[:, None]  # [S, L]
-        if window is not None:
-            visible &= pos[None, :] >= lengths[:, None] - window
+        visible = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lengths[:, None] - window)  # [S, L]
         return _online_softmax(carry, _scores(qg, k, scale, soft_cap), visible[None, :, None, :], v)
 
     init = (jnp.zeros(qg.shape, jnp.float32), jnp.full(qg.shape[:-1], NEG), jnp.zeros(qg.shape[:-1]))
@@ -178,10 +204,10 @@ def _decode_rows(q, k_pages, v_pages, lengths, tables, *, scale, window, soft_ca
 
 
 def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk, *, rows_per_block,
-                scale, window, soft_cap, pages_per_block):
+                scale, window, soft_cap, pages_per_block, layer):
     """Writes into out [T + Q, H, D] the rows of every sequence with is_chunk set, Q rows at a time."""
     tokens, heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, _, page_size, _ = k_pages.shape
     group, keys, rows = heads // kv_heads, pages_per_block * page_size, rows_per_block
     q = jnp.pad(q, ((0, rows), (0, 0), (0, 0)))
     chunk_seqs = jnp.nonzero(is_chunk, size=is_chunk.shape[0], fill_value=0)[0]
@@ -201,17 +227,16 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk
             q_pos = start + i  # [Q]
             last = start + jnp.minimum((b + 1) * rows, q_len) - 1
             hi = last // keys + 1
-            lo = 0 if window is None else jnp.maximum(start + b * rows - window + 1, 0) // keys
+            lo = jnp.maximum(start + b * rows - window + 1, 0) // keys
 
             def block(kb, carry):
                 pages = lax.dynamic_slice_in_dim(table, kb * pages_per_block, pages_per_block)  # [B]
-                k, v = _gather(k_pages, v_pages, pages)
+                k, v = _gather(k_pages, v_pages, layer, pages)
                 k = k.reshape(kv_heads, 1, keys, head_dim)  # [N, 1, L, D]
                 v = v.reshape(kv_heads, 1, keys, head_dim)
                 k_pos = kb * keys + jnp.arange(keys)
                 visible = (k_pos[None, :] <= q_pos[:, None]) & valid[:, None]  # [Q, L]
-                if window is not None:
-                    visible &= k_pos[None, :] > q_pos[:, None] - window
+                visible &= k_pos[None, :] > q_pos[:, None] - window
                 return _online_softmax(carry, _scores(qb, k, scale, soft_cap), visible, v)
 
             init = (jnp.zeros(qb.shape, jnp.float32), jnp.full(qb.shape[:-1], NEG), jnp.zeros(qb.shape[:-1]))

@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (
     NEG, block_sequences, check_tuning, from_block_rows, pad_tables, resolve_scale, to_block_rows)
-from jaxserve.pallas_kernels.ragged_reference import check_ragged_inputs
+from jaxserve.pallas_kernels.ragged_reference import check_ragged_inputs, stacked_pool, window_value
 
 LANES = 128  # lane width: m and l are stored replicated across it
 SUBLANES = 8  # a block's second-minor dim is a multiple of this
@@ -64,10 +64,11 @@ def _tpu_ragged_kernel(
     last_ref,  # SMEM [K] int32: last one (last < first: none)
     kv_lens_ref,  # SMEM [S] int32
     query_start_ref,  # SMEM [S + 1] int32
+    layer_ref,  # SMEM [2] int32: the layer's first page in k_hbm (layer x M), its sliding window
     q_ref,  # VMEM [R, D]: this block's rows of this kv head, row g Q + t
     tables_hbm,  # HBM [S, W'] int32: block tables (too big for SMEM in a large batch)
-    k_hbm,  # HBM [N, M, P, D]
-    v_hbm,  # HBM [N, M, P, D]
+    k_hbm,  # HBM [N, Λ M, P, D]: every layer's pages
+    v_hbm,  # HBM [N, Λ M, P, D]
     o_ref,  # VMEM [R, D]
     table_rows,  # SMEM [2, W'] int32: block-table rows of sequences s (slot s % 2) and s + 1
     k_buf,  # VMEM [2, L, D]: double-buffered key block
@@ -80,10 +81,10 @@ def _tpu_ragged_kernel(
     block_q: int,
     pages_per_block: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
 ):
     head, block = pl.program_id(0), pl.program_id(1)
+    page0, sliding_window = layer_ref[0], layer_ref[1]
     keys = k_buf.shape[1]  # L
     page_size = keys // pages_per_block
     width = table_rows.shape[1]  # W'
@@ -101,9 +102,7 @@ def _tpu_ragged_kernel(
         pos0 = kv_lens_ref[s] - (end - start)  # position of the sequence's row `start`
         lo_row, hi_row = jnp.maximum(start, row0), jnp.minimum(end, row0 + block_q)
         key_end = jnp.where(hi_row > lo_row, pos0 + hi_row - start, 0)  # last visible key + 1
-        key_start = jnp.int32(0)
-        if sliding_window is not None:
-            key_start = jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0)
+        key_start = jnp.maximum(pos0 + lo_row - start - sliding_window + 1, 0)
         hi = jnp.minimum((key_end + keys - 1) // keys, width // pages_per_block)
         lo = jnp.minimum(key_start // keys, hi)
         return lo, hi, key_start // page_size, (key_end + page_size - 1) // page_size
@@ -121,7 +120,7 @@ def _tpu_ragged_kernel(
 
             @pl.when((index >= page_lo) & (index < page_hi))
             def _():
-                page = table_rows[s % 2, index]
+                page = page0 + table_rows[s % 2, index]
                 rows_j = pl.ds(j * page_size, page_size)
                 for src, buf, kind in ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1)):
                     copy = pltpu.make_async_copy(src.at[head, page], buf.at[slot, rows_j], sems.at[kind, slot])
@@ -190,9 +189,7 @@ def _tpu_ragged_kernel(
                                        block_q - 1)  # [R, L]: flat token of each row
         k_pos = b * keys + lax.broadcasted_iota(jnp.int32, scores.shape, 1)  # [R, L]
         q_pos = pos0 + token - start
-        visible = (token >= start) & (token < end) & (k_pos <= q_pos)
-        if sliding_window is not None:
-            visible &= k_pos > q_pos - sliding_window
+        visible = (token >= start) & (token < end) & (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
         _online_softmax_update(scores, visible, v, m_ref, l_ref, acc_ref, precision)
 
     lax.fori_loop(first, last + 1, sequence, jnp.int32(0))
@@ -222,17 +219,18 @@ def _online_softmax_update(s, visible, v, m_ref, l_ref, acc_ref, precision):
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [N, M, P, D]
-    v_pages: jax.Array,  # [N, M, P, D]
+    k_pages: jax.Array,  # [N, M, P, D], or the stacked [N, Λ, M, P, D] with `layer`
+    v_pages: jax.Array,  # likewise
     kv_lens: jax.Array,  # [S] int32
     block_tables: jax.Array,  # [S, W] int32
     query_start: jax.Array,  # [S + 1] int32
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window=None,  # int, None or an int32 scalar
     soft_cap: float | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    layer=None,  # int32 scalar: the layer of a stacked pool
     block_q: int = TOKENS_PER_BLOCK,
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
@@ -248,8 +246,9 @@ def ragged_paged_attention_tpu(
     """
     name = "ragged_paged_attention_tpu"
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                        sliding_window, soft_cap, name=name)
-    kv_heads, _, page_size, head_dim = k_pages.shape
+                        sliding_window, soft_cap, name=name, layer=layer)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
+    kv_heads, _, _, page_size, head_dim = k_pages.shape
     if pages_per_block is None:
         pages_per_block = max(1, KEYS_PER_BLOCK // page_size)
     check_tuning(name, block_q=block_q, pages_per_block=pages_per_block)
@@ -260,19 +259,24 @@ def ragged_paged_attention_tpu(
                          f"(Mosaic's rule for the second-minor dim of a block)")
     if vmem_limit_bytes is not None and (not isinstance(vmem_limit_bytes, int) or vmem_limit_bytes <= 0):
         raise ValueError(f"{name}: vmem_limit_bytes must be a positive int, got {vmem_limit_bytes!r}")
-    return _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
-                    sm_scale=resolve_scale(sm_scale, head_dim), sliding_window=sliding_window,
+    return _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, layer,
+                    window_value(sliding_window), sm_scale=resolve_scale(sm_scale, head_dim),
                     soft_cap=None if soft_cap is None else float(soft_cap), block_q=block_q,
                     pages_per_block=pages_per_block, vmem_limit_bytes=vmem_limit_bytes,
                     interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
-                                             "pages_per_block", "vmem_limit_bytes", "interpret"))
-def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
-             sliding_window, soft_cap, block_q, pages_per_block, vmem_limit_bytes, interpret):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "pages_per_block",
+                                             "vmem_limit_bytes", "interpret"))
+def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, layer, window, *, sm_scale,
+             soft_cap, block_q, pages_per_block, vmem_limit_bytes, interpret):
     tokens, heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, layers, num_pages, page_size, _ = k_pages.shape
+    # Every layer's pages of a kv head on one axis (a bitcast): the kernel copies its layer's
+    # pages at an offset, and no layer's slice of the pool is copied out.
+    k_pages = k_pages.reshape(kv_heads, layers * num_pages, page_size, head_dim)
+    v_pages = v_pages.reshape(kv_heads, layers * num_pages, page_size, head_dim)
+    layer_info = jnp.stack([layer * num_pages, window]).astype(jnp.int32)  # [2]
     group = heads // kv_heads
     rows = block_q * group  # R
     # Dots in the pool's dtype (float32 activations over a bfloat16 pool: q is rounded once
@@ -284,13 +288,13 @@ def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, 
     keys = pages_per_block * page_size
 
     kernel = functools.partial(_tpu_ragged_kernel, block_q=block_q, pages_per_block=pages_per_block,
-                               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                               sm_scale=sm_scale, soft_cap=soft_cap)
     rows_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # left in HBM: the kernel copies what it needs
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(kv_heads, num_blocks),
             in_specs=[rows_spec, hbm, hbm, hbm],
             out_specs=rows_spec,
@@ -310,5 +314,5 @@ def _tpu_jit(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, 
         interpret=(interpret if isinstance(interpret, pltpu.InterpretParams)
                    else pltpu.InterpretParams() if interpret else False),
         name="jaxserve_ragged_paged_attention_tpu",
-    )(first, last, kv_lens, query_start, q_rows, tables, k_pages, v_pages)
+    )(first, last, kv_lens, query_start, layer_info, q_rows, tables, k_pages, v_pages)
     return from_block_rows(out, tokens, heads, block_q, group)

@@ -1,0 +1,127 @@
+"""Start-up: after `warmup()` nothing compiles, whatever the request kind or strategy; a second
+engine loads every compiled program from the compile cache; a changed config never reuses a
+program; a corrupt cache entry is recompiled; the layer scan matches its unrolled form."""
+
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.batching.policies import STRATEGIES
+from jaxserve.model.loader import load_model
+
+CONFIG = EngineConfig(max_slots=8, page_size=8, num_pages=96, max_model_len=64, max_num_batched_tokens=32,
+                      dtype="float32")
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+MIXED = [GREEDY, SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=2, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0.7, min_p=0.1, seed=4, ignore_eos=True)]
+
+
+def prompts(n=6, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, 150, size=int(rng.randint(1, 40))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, monkeypatch_module):
+    folder = str(tmp_path_factory.mktemp("jaxserve-cache"))
+    monkeypatch_module.setenv("JAXSERVE_CACHE", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def warm(llama_dir, cache_dir):
+    """An engine whose every program was compiled by warmup(), into an empty cache."""
+    engine = Engine.from_pretrained(llama_dir, CONFIG)
+    assert engine.warmup() == engine.stats()["num_compiles"] == len(engine.runner.all_programs())
+    assert engine.runner.cache.loaded == 0
+    return engine
+
+
+def test_nothing_compiles_after_warmup_for_any_request_kind_or_strategy(warm):
+    before = warm.stats()["num_compiles"]
+    for strategy in STRATEGIES:
+        engine = warm.with_strategy(strategy)
+        for _ in range(2):  # the repeat hits the prefix cache: other chunk lengths, other buckets
+            outputs = engine.generate(prompts() + prompts(2, seed=1), MIXED + MIXED[:2])
+            assert all(o.finish_reason == "length" for o in outputs)
+            assert outputs[1].logprobs and outputs[4].logprobs
+    assert warm.stats()["num_compiles"] == before
+
+
+def test_a_second_engine_loads_every_program_from_the_cache(warm, llama_dir):
+    second = Engine.from_pretrained(llama_dir, CONFIG)
+    assert second.warmup() == len(second.runner.all_programs())
+    assert second.runner.cache.loaded == len(second.runner.all_programs())  # none compiled
+    ours = second.generate(prompts(), MIXED)
+    theirs = warm.generate(prompts(), MIXED)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+
+
+@pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(max_slots=4), dict(page_size=16)])
+def test_a_changed_config_reuses_no_program(warm, llama_dir, change):
+    other = Engine.from_pretrained(llama_dir, CONFIG.replace(**change))
+    assert other.runner.cache.fingerprint != warm.runner.cache.fingerprint
+    assert other.runner.cache.load("sample-2") is None and other.runner.cache.rejected == 0
+
+
+def test_a_corrupt_or_truncated_entry_is_logged_and_recompiled(warm, llama_dir, cache_dir, caplog):
+    fingerprint = warm.runner.cache.fingerprint
+    files = sorted(f for f in os.listdir(os.path.join(cache_dir, "compiled")) if f.startswith(fingerprint))
+    forward = next(f for f in files if "-forward-" in f)
+    sample = next(f for f in files if "-sample-" in f)
+    with open(os.path.join(cache_dir, "compiled", forward), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    with open(os.path.join(cache_dir, "compiled", sample), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 16)  # flipped bytes: the checksum no longer matches
+    engine = Engine.from_pretrained(llama_dir, CONFIG)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
+        engine.warmup()
+    assert engine.runner.cache.rejected == 2
+    assert sum("unusable" in r.message for r in caplog.records) == 2
+    assert engine.runner.cache.loaded == len(engine.runner.all_programs()) - 2
+    assert [o.token_ids for o in engine.generate(prompts(), MIXED)] == \
+        [o.token_ids for o in warm.generate(prompts(), MIXED)]
+    assert os.path.getsize(os.path.join(cache_dir, "compiled", forward)) > 0  # saved again, whole
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+def test_the_layer_scan_matches_the_unrolled_layers(checkpoints, kind):
+    """The scanned step's logits against the same layers run one by one in Python (float32)."""
+    from flax import nnx
+
+    from model_helpers import paged_logits
+    from jaxserve.model import transformer
+    cfg, weights, _, _ = load_model(checkpoints(kind), "float32")
+    model = transformer.Transformer(cfg, weights)
+    tokens = np.random.RandomState(3).randint(3, 150, size=21)
+    scanned = paged_logits(model, tokens, prompt_len=13, chunk=5)
+
+    def unrolled_scan(f, init, xs, **_):
+        carry, n = init, jax.tree.leaves(xs)[0].shape[0]
+        for i in range(n):
+            carry, _ = f(carry, jax.tree.map(lambda x: jax.numpy.asarray(x)[i], xs))
+        return carry, None
+    original = jax.lax.scan
+    jax.clear_caches()  # the helper's jitted forward must trace again, through the loop below
+    try:
+        jax.lax.scan = unrolled_scan
+        unrolled = paged_logits(transformer.Transformer(cfg, weights), tokens, prompt_len=13, chunk=5)
+    finally:
+        jax.lax.scan = original
+        jax.clear_caches()
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-4, rtol=1e-4)
+    assert nnx.state(model)["layers"]["attn"]["qkv"][...].shape[0] == cfg.num_layers  # stacked
