@@ -14,7 +14,7 @@ import platform
 
 import jax
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo names (x86 flags, Arm features)
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # /proc/cpuinfo names (x86 flags, Arm features)
 
 
 @functools.cache
