@@ -14,7 +14,9 @@ BACKENDS = ("auto", "pallas", "reference")
 class EngineConfig:
     """Engine options, validated on construction.
 
-    The KV pool holds `num_pages` pages if given, else as many as fit in `kv_cache_bytes`.
+    The KV pool holds `num_pages` pages if given, else as many as fit in `kv_cache_bytes`; left
+    unset, that is 1 GiB on a CPU and, on an accelerator, `gpu_memory_utilization` of the device's
+    memory less what the weights took (as vLLM's `--gpu-memory-utilization`).
     `max_model_len=None` takes the model's context, capped at 2048.
     """
 
@@ -22,7 +24,8 @@ class EngineConfig:
     max_slots: int = 32
     page_size: int = 16
     num_pages: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # accelerators: the share of device memory weights and KV may take
     max_model_len: int | None = None
     dtype: str = "auto"  # weights; "auto": what fits the machine (`jaxserve.machine`)
     kv_cache_dtype: str = "auto"  # the KV pool; "auto": the weights' dtype
@@ -33,7 +36,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 256  # the token budget of one step (see the README for why 256)
     enable_chunked_prefill: bool = True  # False: a prompt runs whole in one step (the step grows to fit)
     enable_prefix_caching: bool = True  # share the K/V of prompts' common leading pages
-    async_scheduling: bool = True  # schedule and dispatch step N+1 before step N's tokens reach the host
+    # Schedule and dispatch step N+1 before step N's tokens reach the host. None: on accelerators
+    # only (on a 2-core CPU the host thread competes with XLA's: steps in order ran 5% faster).
+    async_scheduling: bool | None = None
     max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
     mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
 
@@ -45,15 +50,20 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        for name in ("max_slots", "page_size", "kv_cache_bytes", "batch_size", "max_num_batched_tokens",
-                     "max_waiting"):
+        if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0):
+            raise ValueError(f"kv_cache_bytes must be an integer > 0, got {self.kv_cache_bytes!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("max_slots", "page_size", "batch_size", "max_num_batched_tokens", "max_waiting"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
         if self.max_num_batched_tokens < self.max_slots:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
                              f"({self.max_slots}): every running sequence decodes one token per step")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
@@ -76,6 +86,14 @@ class EngineConfig:
             from jaxserve.machine import auto_weights_dtype
             return auto_weights_dtype()[0]
         return self.dtype
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether steps overlap (async scheduling): as asked, else on accelerators only."""
+        if self.async_scheduling is None:
+            from jaxserve.machine import auto_async_scheduling
+            return auto_async_scheduling()
+        return self.async_scheduling
 
     @property
     def kv_dtype(self) -> str:

@@ -36,6 +36,7 @@ from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.kv_pool import pages_in_budget
+from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
@@ -84,16 +85,17 @@ class Engine:
         if self.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
-        num_pages = config.num_pages or pages_in_budget(model_config, config.kv_cache_bytes, config.page_size,
-                                                        config.kv_dtype)
+        self.backend = _resolve_backend(config.attention_backend)
+        model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
+        kv_bytes, self.kv_budget_reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
+                                           else auto_kv_cache_bytes(config.gpu_memory_utilization))
+        num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
+        if num_pages < 2:
+            raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
         pages_per_seq = pages_for(self.max_model_len, config.page_size)
         if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
                              f"({pages_per_seq} pages) for the continuous strategy")
-        if num_pages < 2:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV page")
-        self.backend = _resolve_backend(config.attention_backend)
-        model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))
         self.runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
@@ -160,7 +162,6 @@ class Engine:
 
     def describe(self) -> str:
         """What start-up resolved, one line each: backend, dtypes and why, KV pages, shapes."""
-        from jaxserve.machine import auto_weights_dtype
         config, runner = self.config, self.runner
         device = jax.devices()[0]
         why = auto_weights_dtype()[1] if config.dtype == "auto" else "asked for"
@@ -170,10 +171,15 @@ class Engine:
             f"model {self.model_name}: {self.model_config.num_layers} layers, vocab {self.model_config.vocab_size}",
             f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}",
             f"weights {config.weights_dtype} ({why}); KV cache {config.kv_dtype}",
-            f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB; "
+            f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
+            f"({'num_pages asked for' if config.num_pages else self.kv_budget_reason}); "
             f"max_model_len {self.max_model_len}",
             f"{len(runner.all_programs())} step programs: {len(buckets)} (token, sequence) buckets up to "
-            f"{runner.buckets.max_tokens} tokens and {runner.buckets.max_seqs} sequences, sampling per row count",
+            f"{runner.buckets.max_tokens} tokens and {runner.buckets.max_seqs} sequences, from {runner.buckets.min_rows} "
+            f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if runner.buckets.min_rows > 1 else ''}; "
+            f"sampling per row count",
+            f"async scheduling {'on' if config.overlaps_steps else 'off'}"
+            f"{'' if config.async_scheduling is not None else ' (auto: on for accelerators only)'}",
         ])
 
     @classmethod
@@ -262,7 +268,7 @@ class Engine:
             if self._in_flight is not None:
                 finished += self._collect(*self._in_flight)
             self._in_flight = launched
-            if launched is not None and not self.config.async_scheduling:
+            if launched is not None and not self.config.overlaps_steps:
                 self._in_flight = None
                 finished += self._collect(*launched)
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on

@@ -49,7 +49,10 @@ _OPTIONS = (
     _Option("--max-slots", "max_slots", "sequences decoded together"),
     _Option("--page-size", "page_size", "tokens per KV page"),
     _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)"),
-    _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB", _mib),
+    _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB (default: 1024 on a CPU; on an accelerator, "
+            "what --gpu-memory-utilization leaves after the weights)", _mib),
+    _Option("--gpu-memory-utilization", "gpu_memory_utilization",
+            "accelerators: the share of device memory that weights and KV cache may take", float),
     _Option("--max-model-len", "max_model_len", "context length (default: the model's, capped at 2048)"),
     _Option("--dtype", "dtype", "weights (auto: bfloat16 where the machine has fast bfloat16 dots, else float32)", str, DTYPES),
     _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
@@ -76,9 +79,10 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         if o.field not in EngineConfig.__dataclass_fields__:
             continue  # a field the engine no longer has
         default = defaults.get(o.field, getattr(config, o.field))
-        shown = f"{default >> 20} MiB" if o.field == "kv_cache_bytes" else default
+        shown = f"{default >> 20} MiB" if o.field == "kv_cache_bytes" and default else default
+        metavar = "on|off" if o.type is on_off else None if o.choices else o.flag[2:].upper().replace("-", "_")
         parser.add_argument(o.flag, dest=o.field, type=o.type, choices=o.choices, default=defaults.get(o.field),
-                            help=o.help if default is None else f"{o.help} (default: {shown})")
+                            metavar=metavar, help=o.help if default is None else f"{o.help} (default: {shown})")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

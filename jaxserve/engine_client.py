@@ -4,7 +4,8 @@
     handler ◄── asyncio.Queue: one list of Deltas per step ◄── receiver thread ◄── outputs socket
 
 `EngineClient.spawn(factory)` starts the core in a new process (spawned, never forked, so jax
-starts fresh there); `EngineClient.in_thread(engine)` runs the same loop in a thread over an
+starts fresh there) and waits until it is ready; `start_process` then `wait_ready` do the same in
+two halves, so that the server can answer (503, with `startup`'s progress) while it starts; `EngineClient.in_thread(engine)` runs the same loop in a thread over an
 engine already built (tests, stand-in engines). One receiver thread reads the core's one message
 per step and hands each subscriber's deltas to its event loop in one wake-up per step; it also
 updates the metrics and notices when the core dies, which ends every request with `error`.
@@ -64,6 +65,7 @@ class EngineClient:
     def __init__(self, metrics: Metrics | None = None):
         self.metrics = metrics or Metrics()
         self.info: engine_core.EngineInfo | None = None
+        self.startup: dict = {"phase": "starting"}  # the engine's last start-up progress report
         self.error: str | None = None  # why the core died, if it did
         self._dir = tempfile.mkdtemp(prefix="jaxserve-")
         self._addrs = (f"ipc://{self._dir}/commands", f"ipc://{self._dir}/outputs")
@@ -92,6 +94,13 @@ class EngineClient:
               timeout: float | None = None) -> "EngineClient":
         """Starts the engine core in a new process that builds its engine with `factory()`
         (picklable, e.g. engine_core.EngineFactory); returns once the engine is ready."""
+        client = cls.start_process(factory, metrics)
+        client.wait_ready(timeout)
+        return client
+
+    @classmethod
+    def start_process(cls, factory: Callable[[], Any], metrics: Metrics | None = None) -> "EngineClient":
+        """Starts the engine process and returns at once; `wait_ready` then waits for the engine."""
         client = cls(metrics)
         process = multiprocessing.get_context("spawn").Process(
             target=engine_core.run_process, name="jaxserve-engine", daemon=True,
@@ -99,8 +108,12 @@ class EngineClient:
         process.start()
         client._core_alive = process.is_alive
         client._join = process.join
-        client._start(timeout, lambda: f"the engine process exited with code {process.exitcode}")
+        client._exit_reason = lambda: f"the engine process exited with code {process.exitcode}"
         return client
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Waits for the engine started by `start_process`, keeping its progress in `startup`."""
+        self._start(timeout, self._exit_reason)
 
     @classmethod
     def in_thread(cls, engine, metrics: Metrics | None = None) -> "EngineClient":
@@ -123,14 +136,18 @@ class EngineClient:
 
     def _start(self, timeout: float | None, exit_reason: Callable[[], str]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._outputs.poll(200):
-            if not self._core_alive():
-                self.close()
-                raise RuntimeError(f"the engine did not start: {exit_reason()}")
-            if deadline is not None and time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(f"the engine did not start within {timeout} s")
-        kind, payload = pickle.loads(self._outputs.recv())
+        while True:
+            while not self._outputs.poll(200):
+                if not self._core_alive():
+                    self.close()
+                    raise RuntimeError(f"the engine did not start: {exit_reason()}")
+                if deadline is not None and time.monotonic() > deadline:
+                    self.close()
+                    raise TimeoutError(f"the engine did not start within {timeout} s")
+            kind, payload = pickle.loads(self._outputs.recv())
+            if kind != "progress":
+                break
+            self.startup = payload
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the engine did not start: {payload}")

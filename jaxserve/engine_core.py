@@ -50,13 +50,19 @@ class EngineFactory:
     config: Any = None  # EngineConfig
     warmup: bool = False
 
-    def __call__(self):
+    def __call__(self, progress: Callable[[dict], None] = lambda state: None):
+        """Builds the engine; `progress(state)` hears each phase ("loading", then "compiling" with
+        `done` of `total` programs)."""
         from jaxserve.engine import Engine
+        progress({"phase": "loading"})
         engine = Engine.from_pretrained(self.model, self.config)
+        log.info("resolved:\n%s", engine.describe())
         if self.warmup:
             start = time.perf_counter()
-            log.info("resolved:\n%s", engine.describe())
-            programs = engine.warmup()
+            total = len(engine.runner.all_programs())
+            progress({"phase": "compiling", "done": 0, "total": total})
+            programs = engine.runner.warmup(lambda done, total: progress(
+                {"phase": "compiling", "done": done, "total": total}))
             log.info("%d step programs compiled or loaded from the compile cache in %.1f s", programs,
                      time.perf_counter() - start)
         return engine
@@ -98,8 +104,10 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     commands, outputs = connect(context, commands_addr, outputs_addr)
+    def progress(state: dict) -> None:
+        outputs.send(pickle.dumps(("progress", state)))
     try:
-        engine = factory()
+        engine = factory(progress) if isinstance(factory, EngineFactory) else factory()
     except BaseException as e:  # noqa: BLE001 — reported to the API process, which exits with it
         log.exception("could not build the engine")
         outputs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
@@ -145,7 +153,7 @@ class _Core:
         self.live: dict[str, _Live] = {}
         self.stopping = False
         self.groups = 10**9  # one group per payload (static batching)
-        overlapped = getattr(getattr(engine, "config", None), "async_scheduling", False)  # stand-ins lack a config
+        overlapped = getattr(getattr(engine, "config", None), "overlaps_steps", False)  # stand-ins lack a config
         self.refill_share = _REFILL_SHARE_ASYNC if overlapped else _REFILL_SHARE_IN_ORDER
 
     def loop(self, commands: zmq.Socket) -> None:

@@ -5,7 +5,8 @@
       ─► tokenize here (chat: render the chat template first) ─► completion_job.Job
       ─► EngineClient.submit: the engine process adds every prompt x n as one group (400/429)
       ◄─ one list of new token ids per engine step ─► detokenize here ─► JSON, or SSE chunks
-    GET /v1/models, /health (503 once the engine has died), /metrics (Prometheus text),
+    GET /v1/models, /health (503 while the engine starts, with its progress, and once it has
+        died), /metrics (Prometheus text),
         /openapi.json (request bodies, responses and errors as they are), /docs
     GET /v1/engine/state ─► EngineClient.call(engine_state): slots, queue, pages, recent steps (JSON)
     GET /dashboard (jaxserve/dashboard.py): a page that polls /v1/engine/state and draws it
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import threading
 import time
 
 from fastapi import Depends, FastAPI, Request
@@ -36,6 +38,7 @@ from jaxserve.engine_client import EngineClient, EngineDeadError
 from jaxserve.engine_core import EngineFactory
 from jaxserve.engine_state import engine_state
 from jaxserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
+from jaxserve.starting_app import StartingApp
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +271,28 @@ def run(args) -> None:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     config = engine_config_from_args(args)
     start = time.perf_counter()
-    client = EngineClient.spawn(EngineFactory(args.model, config, warmup=args.warmup))
-    log.info("engine process ready (%s) in %.1f s", client.info.model_name, time.perf_counter() - start)
+    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup))
+    app = StartingApp(client)  # answers 503 with the start-up's progress until the engine is ready
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+
+    stopping = threading.Event()
+
+    def when_ready():
+        try:
+            client.wait_ready()
+            app.app = create_app(client, api_key=args.api_key, chat_template=args.chat_template)
+        except Exception as e:  # noqa: BLE001 — reported, and the server stops with an error
+            if not stopping.is_set():
+                app.failed = str(e)
+                server.should_exit = True
+            return
+        log.info("engine process ready (%s) in %.1f s", client.info.model_name, time.perf_counter() - start)
+    threading.Thread(target=when_ready, name="jaxserve-starting", daemon=True).start()
     try:
-        app = create_app(client, api_key=args.api_key, chat_template=args.chat_template)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        server.run()
     finally:
+        stopping.set()
         client.stop()
+    if app.failed:
+        raise RuntimeError(app.failed)
 

@@ -85,7 +85,7 @@ def percentile(values, q):
 
 
 def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: bool = True,
-                 overlap: bool = True, timelines: list | None = None) -> dict:
+                 overlap: bool | None = None, timelines: list | None = None) -> dict:
     """Replays the workload's arrivals against one strategy; returns its row of figures (and
     appends the run's slot timeline to `timelines`, if given)."""
     eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
@@ -185,22 +185,25 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
 
 def _label(eng: Engine, caching: bool) -> str:
     return (eng.config.strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
-            + ("" if caching else " (no prefix caching)") + ("" if eng.config.async_scheduling else " (steps in order)"))
+            + ("" if caching else " (no prefix caching)") + ("" if eng.config.overlaps_steps else " (steps in order)"))
 
 
 def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
-    """Hugging Face transformers (float32, torch on CPU): static padded batches of batch_size."""
+    """Hugging Face transformers: static padded batches of batch_size (float32 with torch on CPU,
+    bfloat16 on a CUDA GPU)."""
     import torch
     import transformers
     from jaxserve.model.default_model import default_model_path
     torch.set_num_threads(os.cpu_count())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = model_path or default_model_path()
     if path.endswith(".gguf"):
         folder, name = os.path.split(path)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
     pad = 0
     order = list(range(len(work.prompts)))
     start = time.monotonic()
@@ -211,6 +214,7 @@ def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
             width = max(len(work.prompts[i]) for i in batch)
             ids = torch.tensor([[pad] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch])
             mask = (torch.arange(width)[None] >= torch.tensor([width - len(work.prompts[i]) for i in batch])[:, None]).long()
+            ids, mask = ids.to(device), mask.to(device)
             new = max(work.output_lens[i] for i in batch)
             t0 = time.monotonic()
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,

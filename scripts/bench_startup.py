@@ -5,6 +5,7 @@ weights (no download, no torch).
     python scripts/bench_startup.py                       # 18 layers, a few shapes
     python scripts/bench_startup.py --layers 1,6,18 --shapes 2x2,16x16,256x8,256x32
     python scripts/bench_startup.py --warmup              # Runner.warmup() of every program, timed whole
+    python scripts/bench_startup.py --load                # the default model's load, phase by phase
 
 Each phase is timed on its own: `jit(...).trace(args)`, `.lower()`, `.compile()`, then a first
 and a second step of that shape (a step runs forward, then sample: a sample program's first step
@@ -14,6 +15,7 @@ also compiles the forward program it needs, hence the listed order). No compile 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -65,15 +67,38 @@ def program_phases(runner: Runner, key: tuple) -> dict[str, float]:
     return dict(trace=t_trace, lower=t_lower, compile=t_compile, first=t_first, second=t_second)
 
 
+def load_phases(dtype: str) -> None:
+    """The default model's load: GGUF read and dequantize, Orbax save (the first start's cache),
+    Orbax restore (every later start), and the weights onto the device (stacked for the scan)."""
+    import tempfile
+
+    from jaxserve.model.checkpoint import restore_checkpoint, save_checkpoint
+    from jaxserve.model.default_model import default_model_path
+    from jaxserve.model.gguf_loader import load_gguf
+    path, t_path = timed(default_model_path)
+    (cfg, weights), t_gguf = timed(lambda: load_gguf(path, dtype))
+    with tempfile.TemporaryDirectory() as folder:
+        _, t_save = timed(lambda: save_checkpoint(folder + "/ckpt", cfg, weights))
+        (_, restored), t_restore = timed(lambda: restore_checkpoint(folder + "/ckpt", dtype))
+    model, t_device = timed(lambda: jax.block_until_ready(Transformer(cfg, restored, jnp.dtype(dtype))))
+    mb = sum(w.nbytes for w in restored.values()) / 2**20
+    print(f"# default model, {dtype}, {mb:.0f} MiB: GGUF out of its package {t_path:.1f} s, read and dequantize "
+          f"{t_gguf:.1f} s, Orbax save {t_save:.1f} s, Orbax restore {t_restore:.1f} s, to the device "
+          f"(stacked) {t_device:.1f} s")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="18")
     parser.add_argument("--shapes", default="2x2,16x16,256x8,256x32", help="tokens x sequences, comma-separated")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--warmup", action="store_true", help="also time Runner.warmup() of every shape")
+    parser.add_argument("--warmup", action="store_true", help="time Runner.warmup() of every program instead")
+    parser.add_argument("--load", action="store_true", help="time the default model's load instead")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, dtype {args.dtype}")
+    if args.load:
+        return load_phases(args.dtype)
     print(f"{'layers':>6} {'program':>14} {'trace':>7} {'lower':>7} {'compile':>8} {'first':>7} {'second':>7}")
     for layers in map(int, args.layers.split(",")):
         cfg = gemma3_270m(layers)
@@ -82,6 +107,11 @@ def main(argv=None) -> None:
         runner = Runner(model, RunnerConfig(num_pages=512, page_size=16, max_slots=32, max_model_len=2048,
                                             max_num_batched_tokens=256, kv_dtype=args.dtype))
         print(f"# {layers} layers: random weights {t_weights:.1f} s, to device {t_model:.1f} s")
+        if args.warmup:  # alone: a program timed above would be in jax's in-memory caches
+            n, t = timed(runner.warmup)
+            print(f"# {layers} layers: warmup() compiled {n} programs ({len(runner.buckets.all_shapes())} buckets) "
+                  f"in {t:.1f} s on {os.cpu_count()} threads", flush=True)
+            continue
         keys = [("sample", s) for s in sorted({int(x.split("x")[1]) for x in args.shapes.split(",")})]
         keys += [("logprobs", k[1]) for k in keys]
         keys += [("forward", *map(int, shape.split("x"))) for shape in args.shapes.split(",")]
@@ -89,9 +119,6 @@ def main(argv=None) -> None:
             p = program_phases(runner, key)
             print(f"{layers:>6} {'-'.join(map(str, key)):>14} {p['trace']:>7.2f} {p['lower']:>7.2f} {p['compile']:>8.2f} "
                   f"{p['first']:>7.3f} {p['second']:>7.3f}", flush=True)
-        if args.warmup:
-            n, t = timed(runner.warmup)
-            print(f"# {layers} layers: warmup() compiled {n} shapes in {t:.1f} s")
 
 
 if __name__ == "__main__":

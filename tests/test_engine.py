@@ -222,6 +222,7 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on(engi
 
 
 def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
+    overlapped = engine.with_strategy("paged", async_scheduling=True)
     in_order = engine.with_strategy("paged", async_scheduling=False)
     work = prompts(8, seed=6)
     base = in_order.generate(work, GREEDY)
@@ -230,8 +231,8 @@ def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
               SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0, logprobs=2, ignore_eos=True)] * 3
     expected = in_order.generate(work, params[:8])
-    got = engine.generate(work, params[:8])
-    assert engine.config.async_scheduling and not in_order.config.async_scheduling
+    got = overlapped.generate(work, params[:8])
+    assert overlapped.config.overlaps_steps and not in_order.config.overlaps_steps
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in expected]
     for o, e in zip(got, expected):  # the same up to float rounding: steps may batch differently
         assert (o.logprobs is None) == (e.logprobs is None)

@@ -36,7 +36,7 @@ class _ScriptedEngine:
     model_name, max_model_len, tokenizer, idle = "scripted", 64, None, False
 
     def __init__(self, async_scheduling: bool):
-        self.config = types.SimpleNamespace(async_scheduling=async_scheduling)
+        self.config = types.SimpleNamespace(overlaps_steps=async_scheduling)
         self.requests: dict[str, _Request] = {}
         self.log: list[tuple] = []
 

@@ -32,20 +32,24 @@ def free_port() -> int:
 class Serve:
     """`jaxserve serve` in a subprocess on loopback."""
 
-    def __init__(self, model: str, log_path: str):
+    def __init__(self, model: str, log_path: str, cache_dir: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
+        env = dict(os.environ, **({"JAXSERVE_CACHE": cache_dir} if cache_dir else {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--port", str(self.port),
              "--max-slots", "16", "--page-size", "8", "--num-pages", "512", "--max-model-len", str(MAX_MODEL_LEN)],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.starting: list[dict] = []  # the 503 bodies /health answered while the engine started
         deadline = time.monotonic() + 180
         while True:
             assert self.proc.poll() is None, open(log_path).read()
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
                     break
+                self.starting.append(health.json())
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "jaxserve serve did not start"
@@ -67,13 +71,28 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def serve(checkpoints, tmp_path_factory):
-    s = Serve(checkpoints("llama"), str(tmp_path_factory.mktemp("serve") / "serve.log"))
+    # An empty compile cache: every step program compiles while /health reports the progress.
+    s = Serve(checkpoints("llama"), str(tmp_path_factory.mktemp("serve") / "serve.log"),
+              cache_dir=str(tmp_path_factory.mktemp("cold-cache")))
     # Compile the shapes the runs below use, so no request waits for XLA.
     for stream in (False, True):
         httpx.post(s.url + "/v1/completions", timeout=120, json={
             "prompt": "the quick brown fox " * 8, "max_tokens": 32, "stream": stream, "logprobs": 2})
     yield s
     s.close()
+
+
+def test_health_reports_the_start_up_until_the_engine_is_ready(serve):
+    """The port answers from the start: 503 in the OpenAI envelope with the start-up's phase and
+    the compile's progress (never going back), then 200 once every program is ready."""
+    compiling = [b["startup"] for b in serve.starting if b["startup"]["phase"] == "compiling"]
+    assert compiling, serve.starting[:3]
+    assert all(b["error"]["code"] == "engine_starting" and b["error"]["type"] == "server_error"
+               for b in serve.starting)
+    done = [s["done"] for s in compiling]
+    assert done == sorted(done) and all(0 <= s["done"] <= s["total"] for s in compiling)
+    assert httpx.get(serve.url + "/health").json() == {"status": "ok"}
+    assert metrics(serve)["jaxserve_num_compiles_total"] == compiling[-1]["total"]
 
 
 def offline_env(**extra) -> dict[str, str]:
