@@ -100,7 +100,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     profile = StepProfile(eng).__enter__()  # host time per step and device idle share
     start = time.monotonic()
     numbers: dict[str, int] = {}  # request id -> workload index, for the timeline's colours
-    recorder = TimelineRecorder(_label(eng, caching), eng, start, numbers) if timelines is not None else None
+    recorder = TimelineRecorder(_label(eng, caching, overlap), eng, start, numbers) if timelines is not None else None
 
     def send(payload, group, arrival):
         for i in payload:
@@ -163,7 +163,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     if recorder:
         timelines.append(recorder.timeline)
     return {
-        "strategy": _label(eng, caching),
+        "strategy": _label(eng, caching, overlap),
         "requests_per_s": len(requests) / makespan,
         "output_tokens_per_s": out_tokens / makespan,
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
@@ -183,9 +183,11 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     }
 
 
-def _label(eng: Engine, caching: bool) -> str:
+def _label(eng: Engine, caching: bool, overlap: bool | None) -> str:
+    """The strategy, and what this run changed from the engine's defaults."""
     return (eng.config.strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
-            + ("" if caching else " (no prefix caching)") + ("" if eng.config.overlaps_steps else " (steps in order)"))
+            + ("" if caching else " (no prefix caching)")
+            + {None: "", False: " (steps in order)", True: " (steps overlapped)"}[overlap])
 
 
 def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
