@@ -60,11 +60,16 @@ class Transformer(nnx.Module):
                  source: str = "weights"):
         check_weights(cfg, weights, source)
         self.cfg = cfg
-        self.embed = nnx.Param(jnp.asarray(weights["embed"], dtype))  # [V, D]
-        self.lm_head = None if cfg.tie_embeddings else nnx.Param(jnp.asarray(weights["lm_head"], dtype))
-        self.final_norm = RMSNorm(jnp.asarray(weights["final_norm"], jnp.float32), cfg.rms_norm_eps)
-        per_layer = [_layer_weights(cfg, weights, i, dtype) for i in range(cfg.num_layers)]
-        self.layers = DecoderLayer(cfg, {name: _as_bits(jnp.stack([w[name] for w in per_layer]))
+        # Fusing and stacking run where the weights are: numpy arrays on the host, each result then
+        # moved to the device once (op by op on the device, the load took seconds longer, most
+        # of it after the constructor returned); jax.Arrays (a sharded restore) on their devices.
+        xp = jnp if any(isinstance(w, jax.Array) for w in weights.values()) else np
+        put = jnp.asarray
+        self.embed = nnx.Param(put(xp.asarray(weights["embed"], dtype)))  # [V, D]
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(put(xp.asarray(weights["lm_head"], dtype)))
+        self.final_norm = RMSNorm(put(xp.asarray(weights["final_norm"], jnp.float32)), cfg.rms_norm_eps)
+        per_layer = [_layer_weights(cfg, weights, i, dtype, xp) for i in range(cfg.num_layers)]
+        self.layers = DecoderLayer(cfg, {name: put(_as_bits(xp.stack([w[name] for w in per_layer])))
                                          for name in per_layer[0]})
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
@@ -97,14 +102,16 @@ class Transformer(nnx.Module):
 # the start of the step is a copy). So stacked bfloat16 weights are kept as their bits (uint16):
 # the scan slices integers, and each layer reinterprets its own slice.
 def _as_bits(x):
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+    if x.dtype != jnp.bfloat16:
+        return x
+    return x.view(np.uint16) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, jnp.uint16)
 
 
 def _from_bits(x):
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
-def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, dtype) -> dict[str, jax.Array]:
+def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, dtype, xp=jnp) -> dict:
     """One layer's weights, with q/k/v and gate/up fused into single matmuls.
 
     Columns are grouped so that any contiguous split of them is head-aligned, and tensor
@@ -112,17 +119,17 @@ def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, 
     its k and v), gate/up interleaved per MLP unit as [D, F, 2].
     """
     p = f"layers.{i}."
-    get = lambda name: jnp.asarray(weights[p + name], dtype)
-    get32 = lambda name: jnp.asarray(weights[p + name], jnp.float32)
+    get = lambda name: xp.asarray(weights[p + name], dtype)
+    get32 = lambda name: xp.asarray(weights[p + name], jnp.float32)
     n, k = cfg.num_kv_heads, cfg.head_dim
 
     def group(q, key, value):  # [..., H K], [..., N K], [..., N K] -> [..., N (G + 2) K]
         lead = q.shape[:-1]
         parts = [q.reshape(*lead, n, -1, k), key.reshape(*lead, n, 1, k), value.reshape(*lead, n, 1, k)]
-        return jnp.concatenate(parts, axis=-2).reshape(*lead, -1)
+        return xp.concatenate(parts, axis=-2).reshape(*lead, -1)
 
     w = {"qkv": group(get("q_proj"), get("k_proj"), get("v_proj")),
-         "gate_up": jnp.stack([get("gate_proj"), get("up_proj")], axis=-1).reshape(cfg.hidden_size, -1)}
+         "gate_up": xp.stack([get("gate_proj"), get("up_proj")], axis=-1).reshape(cfg.hidden_size, -1)}
     if p + "q_bias" in weights:
         w["qkv_bias"] = group(get32("q_bias"), get32("k_bias"), get32("v_bias"))
     w["o_proj"], w["down_proj"] = get("o_proj"), get("down_proj")
