@@ -145,13 +145,16 @@ class EngineClient:
                     self.close()
                     raise TimeoutError(f"the engine did not start within {timeout} s")
             kind, payload = pickle.loads(self._outputs.recv())
-            if kind != "progress":
+            if kind == "info":  # before the warm-up; "ready" then carries none
+                self.info = payload
+            elif kind != "progress":
                 break
-            self.startup = payload
+            else:
+                self.startup = payload
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the engine did not start: {payload}")
-        self.info = payload
+        self.info = payload or self.info
         self._exit_reason = exit_reason
         self._receiver = threading.Thread(target=self._receive, name="jaxserve-receiver", daemon=True)
         self._receiver.start()
