@@ -34,7 +34,11 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from jaxserve.server import run
+    try:
+        from jaxserve.server import run
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"error: serving needs the server extras ({e.name} is missing): "
+                         "pip install 'jaxserve[server]'") from None
     run(args)
 
 
@@ -65,7 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+    except RuntimeError as e:
+        if type(e) is not RuntimeError:  # XLA's errors (out of memory, ...) keep their traceback
+            raise
         raise SystemExit(f"error: {e}")
 
 

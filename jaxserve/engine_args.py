@@ -42,13 +42,15 @@ class _Option:
     help: str
     type: Callable[[str], Any] | None = int
     choices: tuple | None = None
+    aliases: tuple[str, ...] = ()  # vLLM's spellings, where the meaning is the same
 
 
 _OPTIONS = (
     _Option("--strategy", "strategy", "batching strategy", str, STRATEGIES),
-    _Option("--max-slots", "max_slots", "sequences decoded together"),
-    _Option("--page-size", "page_size", "tokens per KV page"),
-    _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)"),
+    _Option("--max-slots", "max_slots", "sequences decoded together", aliases=("--max-num-seqs",)),
+    _Option("--page-size", "page_size", "tokens per KV page", aliases=("--block-size",)),
+    _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)",
+            aliases=("--num-gpu-blocks-override",)),
     _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB (default: 1024 on a CPU; on an accelerator, "
             "what --gpu-memory-utilization leaves after the weights)", _mib),
     _Option("--gpu-memory-utilization", "gpu_memory_utilization",
@@ -76,12 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
                                                       "(default: Gemma 3 270M)")
     config = EngineConfig()
     for o in _OPTIONS:
-        if o.field not in EngineConfig.__dataclass_fields__:
-            continue  # a field the engine no longer has
         default = defaults.get(o.field, getattr(config, o.field))
         shown = f"{default >> 20} MiB" if o.field == "kv_cache_bytes" and default else default
         metavar = "on|off" if o.type is on_off else None if o.choices else o.flag[2:].upper().replace("-", "_")
-        parser.add_argument(o.flag, dest=o.field, type=o.type, choices=o.choices, default=defaults.get(o.field),
+        parser.add_argument(o.flag, *o.aliases, dest=o.field, type=o.type, choices=o.choices, default=defaults.get(o.field),
                             metavar=metavar, help=o.help if default is None else f"{o.help} (default: {shown})")
 
 

@@ -176,7 +176,17 @@ def test_engine_args_make_the_engine_config():
     assert config == EngineConfig(max_slots=4, kv_cache_bytes=64 << 20, mesh={"data": 2, "model": 1},
                                   strategy="dynamic", max_batch_delay_ms=5.0, max_waiting=7)
     assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
+    vllm = parser.parse_args(["--max-num-seqs", "8", "--block-size", "32", "--num-gpu-blocks-override", "100"])
+    assert engine_config_from_args(vllm) == EngineConfig(max_slots=8, page_size=32, num_pages=100)
 
+
+
+def test_serve_without_the_server_extras_says_what_to_install():
+    code = "import sys; sys.modules['fastapi'] = None; from jaxserve.cli import main; main(['serve'])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.strip() == ("error: serving needs the server extras (fastapi is missing): "
+                                  "pip install 'jaxserve[server]'")
 
 
 def test_api_process_imports_neither_the_cli_nor_jax():
