@@ -10,6 +10,8 @@ from jaxserve.engine_args import add_engine_args, engine_config_from_args, on_of
 
 
 def generate(args: argparse.Namespace) -> None:
+    from jaxserve.host_memory import keep_freed_memory
+    keep_freed_memory()  # this process is the engine's
     from jaxserve import Engine, SamplingParams
     start = time.perf_counter()
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))

@@ -34,7 +34,6 @@ from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutpu
 from jaxserve.batching.block_manager import pages_for
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
-from jaxserve.host_memory import keep_freed_memory
 from jaxserve.kv_pool import pages_in_budget
 from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
 from jaxserve.model.config import ModelConfig
@@ -75,7 +74,6 @@ HISTORY_STEPS = 2048  # steps kept in Engine.history (minutes of a busy engine)
 class Engine:
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], tokenizer: Tokenizer | None,
                  config: EngineConfig | None = None, model_name: str = "model"):
-        keep_freed_memory()  # before jax starts its threads, so they share the tuned heap
         config = config or EngineConfig()
         self.config = config
         self.model_config = model_config
@@ -186,7 +184,6 @@ class Engine:
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
         """Loads a Hugging Face checkpoint directory, a .gguf file, or (path=None) Gemma 3 270M.
         Call `warmup()` before serving, so that no request waits for a compile."""
-        keep_freed_memory()
         config = config or EngineConfig()
         # With a mesh, an Orbax checkpoint is restored straight into sharded arrays.
         sharding_for = (lambda cfg: canonical_sharding_for(make_mesh(config.mesh), cfg)) if config.mesh else None

@@ -8,6 +8,10 @@ price of the process keeping its peak memory. The threads keep their own arenas:
 for all (MALLOC_ARENA_MAX=1), XLA's compile threads contended for its lock and every step program
 compiled 1.3-1.8x slower, for no measured gain in step time. Setting the same through the
 environment (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...) before start-up works too.
+
+It changes the whole process, so the engine never calls it on its own: `jaxserve generate`, the
+`jaxserve serve` engine process and the benchmark scripts do; a program that embeds an `Engine`
+may call `keep_freed_memory()` first.
 """
 
 from __future__ import annotations

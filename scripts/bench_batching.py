@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from step_profile import StepProfile  # noqa: E402
 
 from jaxserve import Engine, EngineConfig, SamplingParams  # noqa: E402
+from jaxserve.host_memory import keep_freed_memory  # noqa: E402
 from timeline import TimelineRecorder, plot_timelines  # noqa: E402
 
 
@@ -333,6 +334,7 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     p.add_argument("--plot", default=None)
     p.add_argument("--timeline", default=None, metavar="PNG", help="slot timelines of every run, one panel each")
     args = p.parse_args(argv)
+    keep_freed_memory()  # as `jaxserve serve`'s engine process does
 
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
                           kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens,

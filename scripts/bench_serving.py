@@ -267,6 +267,8 @@ def main(argv=None) -> None:
     results = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "args": vars(args)}
 
     from jaxserve.engine import Engine
+    from jaxserve.host_memory import keep_freed_memory
+    keep_freed_memory()  # as in the server's engine process
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
     if args.mode != "http":
         engine.runner.warmup()  # every step shape, as `jaxserve serve` compiles them before it answers

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.host_memory import keep_freed_memory
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.transformer import Transformer
 from jaxserve.model.weights import expected_shapes
@@ -95,6 +96,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", action="store_true", help="time Runner.warmup() of every program instead")
     parser.add_argument("--load", action="store_true", help="time the default model's load instead")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the engine process does
     jax.config.update("jax_enable_compilation_cache", False)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, dtype {args.dtype}")
     if args.load:
