@@ -84,14 +84,7 @@ class EngineInfo:
 
 def engine_info(engine) -> EngineInfo:
     tokenizer = getattr(engine, "tokenizer", None)
-    template = getattr(tokenizer, "chat_template", None)
-    source = None
-    if template:
-        try:
-            from jaxserve.model.loader import GEMMA3_CHAT_TEMPLATE
-        except ImportError:  # a stand-in engine without the model package
-            GEMMA3_CHAT_TEMPLATE = None
-        source = "builtin:gemma3" if template == GEMMA3_CHAT_TEMPLATE else "model"
+    source = getattr(tokenizer, "chat_template_source", None) if getattr(tokenizer, "chat_template", None) else None
     vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
     return EngineInfo(getattr(engine, "model_name", "model"), engine.max_model_len, tokenizer, source,
                       getattr(engine, "config", None), vocab)

@@ -16,8 +16,15 @@ class Tokenizer:
                  bos_token: str | None = None, eos_token: str | None = None):
         self._tok = tokenizer
         self.chat_template = chat_template
-        self.bos_token = bos_token
+        self.chat_template_source = "model" if chat_template else None  # or "builtin:..." (the loader's)
+        self.bos_token = bos_token if bos_token is not None else self._added_prefix()
         self.eos_token = eos_token
+
+    def _added_prefix(self) -> str | None:
+        """The special token this tokenizer's own rules put before a text (its BOS), if any."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        return self._tok.id_to_token(full[0]) if len(full) == len(plain) + 1 and full[1:] == plain else None
 
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":

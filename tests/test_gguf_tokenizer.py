@@ -145,3 +145,22 @@ def test_unsupported_tokenizer_model(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="'bert'"):
         tokenizer_from_gguf(path)
+
+
+@pytest.mark.slow
+def test_gemma_chat_prompt_starts_with_one_bos(ours, hf):
+    """The built-in Gemma 3 template writes the BOS (chat prompts are encoded without special
+    tokens): the prompt is Gemma's turn format, and its ids are what HF's tokenizer gives the
+    same turns with its BOS."""
+    from jaxserve.chat_template import ChatTemplates
+    from jaxserve.model.loader import GEMMA3_CHAT_TEMPLATE
+    from jaxserve.tokenizer import Tokenizer
+    tok = Tokenizer(ours, GEMMA3_CHAT_TEMPLATE)
+    assert tok.bos_token == "<bos>"
+    messages = [{"role": "user", "content": "What is JAX?"}, {"role": "assistant", "content": "A library."},
+                {"role": "user", "content": "More?"}]
+    text, _ = ChatTemplates(tok, "builtin:gemma3").render(messages)
+    turns = ("<start_of_turn>user\nWhat is JAX?<end_of_turn>\n<start_of_turn>model\nA library.<end_of_turn>\n"
+             "<start_of_turn>user\nMore?<end_of_turn>\n<start_of_turn>model\n")
+    assert text == "<bos>" + turns
+    assert tok.encode(text, add_special_tokens=False) == hf(turns).input_ids

@@ -16,11 +16,15 @@ from jaxserve.model.checkpoint import is_checkpoint, load_config, restore_checkp
 from jaxserve.model.config import ModelConfig
 from jaxserve.tokenizer import Tokenizer
 
-# Gemma 3's turn format; the GGUF carries no template. BOS comes from the tokenizer.
+# Gemma 3's turn format, for a Gemma 3 whose files carry no template (the default model's GGUF).
+# Chat prompts are encoded without special tokens, so the template writes the BOS itself.
 GEMMA3_CHAT_TEMPLATE = (
-    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
     "{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+CACHE_FORMAT = 2  # of a converted GGUF's checkpoint; a new format converts the GGUF again
 
 
 def cache_root() -> str:
@@ -33,7 +37,7 @@ def load_model(path: str | None, dtype: str = "float32", sharding_for=None
     gives `restore_checkpoint` its per-weight shardings for Orbax checkpoints (jax.Arrays then)."""
     if path is None:
         from jaxserve.model.default_model import NAME, default_model_path, default_model_version
-        cache = os.path.join(cache_root(), f"{NAME}-{default_model_version()}-{dtype}")
+        cache = os.path.join(cache_root(), f"{NAME}-{default_model_version()}-{dtype}-{CACHE_FORMAT}")
         return _load_gguf_cached(cache, default_model_path, dtype) + (NAME,)
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -41,7 +45,8 @@ def load_model(path: str | None, dtype: str = "float32", sharding_for=None
     name = os.path.basename(os.path.normpath(path))
     if path.endswith(".gguf"):
         stat = os.stat(path)
-        cache = os.path.join(cache_root(), f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}-{dtype}")
+        cache = os.path.join(cache_root(), f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}-{dtype}"
+                                           f"-{CACHE_FORMAT}")
         return _load_gguf_cached(cache, lambda: path, dtype) + (name.removesuffix(".gguf"),)
     if is_checkpoint(path):
         cfg, weights = restore_checkpoint(path, dtype, sharding_for and sharding_for(load_config(path)))
@@ -58,16 +63,27 @@ def _tokenizer_in(path: str) -> Tokenizer | None:
 def _load_gguf_cached(cache: str, gguf_path, dtype: str):
     if is_checkpoint(cache):
         cfg, weights = restore_checkpoint(cache, dtype)
-        return cfg, weights, _tokenizer_in(cache)
+        return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(cache))
     from jaxserve.model.gguf_loader import load_gguf
     from jaxserve.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
     path = gguf_path()
     cfg, weights = load_gguf(path, dtype)
-    template = chat_template_from_gguf(path) or (GEMMA3_CHAT_TEMPLATE if cfg.family == "gemma3" else None)
+    template = chat_template_from_gguf(path)
     hf_tokenizer = tokenizer_from_gguf(path)
+    special = {name: hf_tokenizer.id_to_token(i) for name, i in
+               (("bos_token", cfg.bos_token_id), ("eos_token", cfg.eos_token_ids[0] if cfg.eos_token_ids else None))
+               if i is not None}
     try:
         save_checkpoint(cache, cfg, weights, {"tokenizer.json": hf_tokenizer.to_str(),
-                                              "tokenizer_config.json": json.dumps({"chat_template": template})})
+                                              "tokenizer_config.json": json.dumps({"chat_template": template,
+                                                                                   **special})})
     except OSError:
         pass  # a read-only cache only costs the conversion next time
-    return cfg, weights, Tokenizer(hf_tokenizer, template)
+    return cfg, weights, _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
+
+
+def _with_builtin_template(cfg: ModelConfig, tokenizer: Tokenizer | None) -> Tokenizer | None:
+    """A Gemma 3 tokenizer without a chat template of its own gets Gemma 3's turn format."""
+    if tokenizer is not None and tokenizer.chat_template is None and cfg.family == "gemma3":
+        tokenizer.chat_template, tokenizer.chat_template_source = GEMMA3_CHAT_TEMPLATE, "builtin:gemma3"
+    return tokenizer
