@@ -7,7 +7,7 @@ import importlib
 
 _EXPORTS = {
     "Engine": "jaxserve.engine",
-    "QueueFullError": "jaxserve.engine",
+    "QueueFullError": "jaxserve.errors",
     "EngineConfig": "jaxserve.config",
     "SamplingParams": "jaxserve.batching.sampling_params",
     "RequestOutput": "jaxserve.batching.request",

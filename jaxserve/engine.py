@@ -34,11 +34,13 @@ from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutpu
 from jaxserve.batching.block_manager import pages_for
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
+from jaxserve.errors import QueueFullError
 from jaxserve.kv_pool import pages_in_budget
 from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
+from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
 from jaxserve.step_batch import ScheduledSeq, build_step
@@ -48,10 +50,6 @@ from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; retry later."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +81,14 @@ class Engine:
         if self.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
-        self.backend = _resolve_backend(config.attention_backend)
+        self.backend = select_backend(config.attention_backend)
         model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
         kv_bytes, self.kv_budget_reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
                                            else auto_kv_cache_bytes(config.gpu_memory_utilization))
         num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
-        pages_per_seq = pages_for(self.max_model_len, config.page_size)
-        if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
-            raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
-                             f"({pages_per_seq} pages) for the continuous strategy")
+        _check_pool_fits(config, num_pages, self.max_model_len)
         self.runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
@@ -137,9 +132,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("with_strategy needs an idle engine")
         config = self.config.replace(strategy=strategy, **changes)
-        pages_per_seq = pages_for(self.max_model_len, config.page_size)
-        if strategy == "continuous" and self.runner.config.num_pages - 1 < pages_per_seq:
-            raise ValueError("the KV pool cannot hold one full-context sequence for the continuous strategy")
+        _check_pool_fits(config, self.runner.config.num_pages, self.max_model_len)
         clone = object.__new__(Engine)
         clone.__dict__.update(self.__dict__)
         clone.config = config
@@ -428,10 +421,12 @@ class Engine:
         }
 
 
-def _resolve_backend(name: str) -> str:
-    if name == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
-    return name
+def _check_pool_fits(config: EngineConfig, num_pages: int, max_model_len: int) -> None:
+    """The continuous strategy reserves a whole context per sequence: the pool must hold one."""
+    pages_per_seq = pages_for(max_model_len, config.page_size)
+    if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
+        raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
+                         f"({pages_per_seq} pages) for the continuous strategy")
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -29,17 +29,10 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from jaxserve import engine_core
+from jaxserve.errors import EngineDeadError, QueueFullError
 from jaxserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core has stopped; nothing more can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is at its bound; retry later."""
 
 
 @dataclasses.dataclass

@@ -220,7 +220,7 @@ class _Core:
     def add(self, key: str, ids: list[str], prompts: list[list[int]], params: list, arrival: float,
             cache_salt: str | None = None) -> tuple:
         """Adds a payload's prompts as one group, all or none."""
-        from jaxserve.engine import QueueFullError
+        from jaxserve.errors import QueueFullError
         engine = self.engine
         self.groups += 1
         added = []

@@ -157,6 +157,16 @@ def test_engine_keeps_serving_after_bad_input(engine):
     assert engine.generate("fine prompt", GREEDY)[0].finish_reason == "length"
 
 
+def test_a_pool_too_small_for_the_continuous_strategy_is_refused(llama_dir):
+    config = EngineConfig(max_slots=8, page_size=8, num_pages=16, max_model_len=128)
+    message = r"the KV pool \(15 pages\) cannot hold one full-context sequence \(16 pages\)"
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(llama_dir, config.replace(strategy="continuous"))
+    paged = Engine.from_pretrained(llama_dir, config)
+    with pytest.raises(ValueError, match=message):
+        paged.with_strategy("continuous")
+
+
 def test_missing_model_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         Engine.from_pretrained(str(tmp_path / "nope"))

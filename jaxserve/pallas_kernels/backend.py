@@ -12,9 +12,8 @@ import functools
 
 import jax
 
+from jaxserve.config import BACKENDS
 from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
-
-BACKENDS = ("auto", "pallas", "reference")
 
 
 def select_backend(name: str = "auto") -> str:
