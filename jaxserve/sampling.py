@@ -25,10 +25,9 @@ class SamplingBatch:
     seed: jax.Array  # uint32
 
     @classmethod
-    def from_table(cls, table, rows=slice(None)) -> "SamplingBatch":
-        """Host arrays of a scheduler `SlotTable` (optionally a subset of its rows)."""
-        return cls(table.temperature[rows], table.top_k[rows], table.top_p[rows],
-                   table.min_p[rows], table.seed[rows])
+    def from_table(cls, table) -> "SamplingBatch":
+        """Host arrays of a scheduler `SlotTable`, a row per slot."""
+        return cls(table.temperature, table.top_k, table.top_p, table.min_p, table.seed)
 
 
 def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:

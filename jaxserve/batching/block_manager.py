@@ -129,6 +129,3 @@ class BlockManager:
             return
         self._page_of[content_hash] = page
         self._hash_of[page] = content_hash
-
-    def is_cached(self, content_hash: bytes) -> bool:
-        return content_hash in self._page_of
