@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from jaxserve.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
-from jaxserve.tokenizer import IncrementalDetokenizer
+from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, decode_after, first_stop
 
 
 class Choice:
@@ -34,7 +34,7 @@ class Choice:
         self.tokenizer, self.stop, self.include_stop, self.want_logprobs = tokenizer, stop, include_stop, logprobs
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.num_prompt_tokens = len(prompt_ids)
-        self.context = prompt_ids[-4:]  # last few ids, for the text of alternative tokens
+        self.context = prompt_ids[-DECODE_CONTEXT:]  # for the text of alternative tokens
         self.text = ""  # all generated text (before stop strings are cut)
         self.num_tokens = 0
         self.pieces: list[str] = []  # per-token text, for logprobs
@@ -56,26 +56,25 @@ class Choice:
                 self.offsets.append(len(self.text))
                 self.pieces.append(piece if self.detok else f"token_id:{token}")
                 self.logprobs.append(lp["logprob"])
-                base = self.tokenizer.decode(self.context) if self.tokenizer else ""
-                self.tops.append([(self._token_text(base, t), v) for t, v in lp["top"]])
-                self.context = (self.context + [token])[-4:]
+                self.tops.append([(self._token_text(t), v) for t, v in lp["top"]])
+                self.context = (self.context + [token])[-DECODE_CONTEXT:]
                 self.text += piece
         self.num_tokens += len(token_ids)
         if finish_reason is not None:
             self.finish_reason = finish_reason
 
-    def _token_text(self, base: str, token: int) -> str:
-        """The text `token` adds after the recent context (whose text is `base`)."""
+    def _token_text(self, token: int) -> str:
+        """The text `token` adds after the recent context."""
         if self.tokenizer is None:
             return f"token_id:{token}"
-        return self.tokenizer.decode(self.context + [token])[len(base):]
+        return decode_after(self.tokenizer, self.context, [token])
 
     @property
     def final_text(self) -> str:
-        hits = [(i, s) for i, s in ((self.text.find(s), s) for s in self.stop) if i >= 0]
-        if not hits:
+        stop = first_stop(self.text, self.stop)
+        if stop is None:
             return self.text
-        i, s = min(hits)
+        i, s = stop
         return self.text[: i + len(s)] if self.include_stop else self.text[:i]
 
     def new_text(self) -> str:

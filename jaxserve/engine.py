@@ -45,7 +45,7 @@ from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
 from jaxserve.step_batch import ScheduledSeq, build_step
 from jaxserve.sharding import canonical_sharding_for, make_mesh
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, Tokenizer, decode_after, first_stop
 
 log = logging.getLogger(__name__)
 
@@ -311,9 +311,9 @@ class Engine:
             if request_id in self._stop_cut or len(request.output_token_ids) == detok.num_added:
                 continue
             detok.add(request.output_token_ids[detok.num_added:])
-            cut = min((i for i in (detok.text.find(s) for s in request.params.stop) if i >= 0), default=None)
-            if cut is not None:
-                self._stop_cut[request_id] = cut
+            stop = first_stop(detok.text, request.params.stop)
+            if stop is not None:
+                self._stop_cut[request_id] = stop[0]
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.STOP)
                     finished.append(request)
@@ -343,12 +343,9 @@ class Engine:
             num_cached_tokens=r.num_cached_tokens or 0)
 
     def _decode_text(self, r: Request) -> str:
-        """Output text decoded after a few prompt tokens, so a leading space survives tokenizers
-        (SentencePiece) that drop it at the start of a decode."""
         if self.tokenizer is None:
             return ""
-        context = r.prompt_token_ids[-4:]
-        return self.tokenizer.decode(context + r.output_token_ids)[len(self.tokenizer.decode(context)):]
+        return decode_after(self.tokenizer, r.prompt_token_ids[-DECODE_CONTEXT:], r.output_token_ids)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request."""

@@ -52,6 +52,22 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
+# Prompt ids decoded before new ones, so that a leading space survives tokenizers (SentencePiece)
+# that drop it at the start of a decode.
+DECODE_CONTEXT = 4
+
+
+def decode_after(tokenizer: Tokenizer, context: list[int], ids: list[int]) -> str:
+    """The text `ids` add after the `context` ids."""
+    return tokenizer.decode(context + ids)[len(tokenizer.decode(context)):]
+
+
+def first_stop(text: str, stops) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in `text`, or None."""
+    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
@@ -61,7 +77,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-4:])  # context so the first word's leading space decodes right
+        self.ids = list(prompt_ids[-DECODE_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
