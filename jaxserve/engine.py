@@ -164,7 +164,10 @@ class Engine:
             f"weights {config.weights_dtype} ({why}); KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
             f"({'num_pages asked for' if config.num_pages else self.kv_budget_reason}); "
-            f"max_model_len {self.max_model_len}",
+            f"max_model_len {self.max_model_len}" + (
+                f" (the model's {self.model_config.max_position_embeddings}, capped; --max-model-len for more)"
+                if config.max_model_len is None and self.max_model_len < self.model_config.max_position_embeddings
+                else ""),
             f"{len(runner.all_programs())} step programs: {len(buckets)} (token, sequence) buckets up to "
             f"{runner.buckets.max_tokens} tokens and {runner.buckets.max_seqs} sequences, from {runner.buckets.min_rows} "
             f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if runner.buckets.min_rows > 1 else ''}; "

@@ -12,6 +12,17 @@ import pytest
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_folder(tmp_path_factory):
+    """Converted checkpoints and compiled programs go to a folder of the run's own, not to the
+    user's ~/.cache/jaxserve (unless JAXSERVE_CACHE says where)."""
+    if "JAXSERVE_CACHE" not in os.environ:
+        os.environ["JAXSERVE_CACHE"] = str(tmp_path_factory.mktemp("jaxserve_cache"))
+    yield os.environ["JAXSERVE_CACHE"]
+
+
 VOCAB = 160
 CORPUS = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
           "jax compiles python functions to xla. paged attention keeps kv memory tight. ") * 4

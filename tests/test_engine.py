@@ -1,6 +1,8 @@
 """Engine behaviour on a tiny Llama: parity with Hugging Face `generate`, batch invariance,
 preemption, no leaked pages, no recompiles, streaming, abort, stop strings and bad input."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -252,3 +254,17 @@ def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
                                        [b["logprob"]] + [lp for _, lp in b["top"]], atol=1e-5)
     assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop
     assert_idle(engine)
+
+
+def test_describe_says_what_start_up_resolved(llama_dir):
+    from jaxserve.model.loader import load_model
+    cfg, weights, tokenizer, _ = load_model(llama_dir)
+    long = dataclasses.replace(cfg, max_position_embeddings=4096)
+    config = EngineConfig(max_slots=4, page_size=8, num_pages=64, dtype="float32")
+    lines = Engine(long, weights, tokenizer, config).describe().splitlines()
+    assert lines[2].startswith("weights float32 (asked for)")
+    assert lines[3].startswith("KV pool 64 pages of 8 tokens")
+    assert lines[3].endswith("(num_pages asked for); max_model_len 2048 (the model's 4096, capped; "
+                             "--max-model-len for more)")
+    asked = Engine(long, weights, tokenizer, config.replace(max_model_len=4096)).describe().splitlines()
+    assert asked[3].endswith("max_model_len 4096")
