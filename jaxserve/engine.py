@@ -70,8 +70,10 @@ HISTORY_STEPS = 2048  # steps kept in Engine.history (minutes of a busy engine)
 
 
 class Engine:
-    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], tokenizer: Tokenizer | None,
-                 config: EngineConfig | None = None, model_name: str = "model"):
+    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray] | None, tokenizer: Tokenizer | None,
+                 config: EngineConfig | None = None, model_name: str = "model", *, runner: Runner | None = None):
+        """`runner`: another engine's runner (its model, compiled steps and KV pool) to schedule
+        over instead of building one from `weights` (see `with_strategy`)."""
         config = config or EngineConfig()
         self.config = config
         self.model_config = model_config
@@ -82,20 +84,31 @@ class Engine:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
         self.backend = select_backend(config.attention_backend)
+        if runner is None:
+            runner, self.kv_budget_reason = self._build_runner(weights)
+        else:
+            self.kv_budget_reason = "the pool of the engine it was made from"
+            _check_pool_fits(config, runner.config.num_pages, self.max_model_len)
+        self.runner = runner
+        self._reset_scheduler()
+
+    def _build_runner(self, weights) -> tuple[Runner, str]:
+        """The model on the device, then a KV pool in the memory it leaves, and their runner."""
+        config, model_config = self.config, self.model_config
         model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
-        kv_bytes, self.kv_budget_reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
-                                           else auto_kv_cache_bytes(config.gpu_memory_utilization))
+        kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
+                            else auto_kv_cache_bytes(config.gpu_memory_utilization))
         num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
         _check_pool_fits(config, num_pages, self.max_model_len)
-        self.runner = Runner(model, RunnerConfig(
+        runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
             max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS,
             kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled")),
             mesh=make_mesh(config.mesh) if config.mesh else None)
-        self._reset_scheduler()
+        return runner, reason
 
     def _reset_scheduler(self) -> None:
         """A fresh block manager and scheduler for `self.config` over the runner's pool."""
@@ -127,17 +140,15 @@ class Engine:
 
     def with_strategy(self, strategy: str, **changes) -> "Engine":
         """A new engine with another batching strategy (and scheduling options such as batch_size or
-        a smaller max_num_batched_tokens) that shares this one's model, compiled steps and KV pool:
-        benchmarks compare strategies and nothing else. Use one of the two at a time."""
+        a smaller max_num_batched_tokens) over this one's runner: its model, compiled steps and KV
+        pool. Benchmarks compare strategies and nothing else. Use one of the two at a time."""
         if self.has_unfinished():
             raise RuntimeError("with_strategy needs an idle engine")
-        config = self.config.replace(strategy=strategy, **changes)
-        _check_pool_fits(config, self.runner.config.num_pages, self.max_model_len)
-        clone = object.__new__(Engine)
-        clone.__dict__.update(self.__dict__)
-        clone.config = config
-        clone._reset_scheduler()
-        return clone
+        fixed = sorted(set(changes) & _RUNNER_FIELDS)
+        if fixed:
+            raise ValueError(f"with_strategy changes scheduling only: {', '.join(fixed)} need a new engine")
+        return Engine(self.model_config, None, self.tokenizer, self.config.replace(strategy=strategy, **changes),
+                      self.model_name, runner=self.runner)
 
     def warmup(self, progress: bool = False) -> int:
         """Compiles every program a step may run (every bucket, sampling with and without
@@ -419,6 +430,11 @@ class Engine:
             "num_errors": self.num_errors,
             "num_steps": self.num_steps,
         }
+
+
+# What the runner's programs and pool are built from: an engine over another's runner keeps them.
+_RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_model_len",
+                  "dtype", "kv_cache_dtype", "attention_backend", "mesh"}
 
 
 def _check_pool_fits(config: EngineConfig, num_pages: int, max_model_len: int) -> None:

@@ -167,6 +167,10 @@ def test_a_pool_too_small_for_the_continuous_strategy_is_refused(llama_dir):
     paged = Engine.from_pretrained(llama_dir, config)
     with pytest.raises(ValueError, match=message):
         paged.with_strategy("continuous")
+    with pytest.raises(ValueError, match="with_strategy changes scheduling only: max_slots, page_size need a new"):
+        paged.with_strategy("paged", page_size=16, max_slots=4, batch_size=2)
+    other = paged.with_strategy("dynamic", batch_size=2)
+    assert other.runner is paged.runner and other.config.batch_size == 2 and other.tokenizer is paged.tokenizer
 
 
 def test_missing_model_path_is_named(tmp_path):
