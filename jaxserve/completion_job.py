@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from jaxserve.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
-from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, decode_after, first_stop
+from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, first_stop, texts_after
 
 
 class Choice:
@@ -56,18 +56,19 @@ class Choice:
                 self.offsets.append(len(self.text))
                 self.pieces.append(piece if self.detok else f"token_id:{token}")
                 self.logprobs.append(lp["logprob"])
-                self.tops.append([(self._token_text(t), v) for t, v in lp["top"]])
+                texts = self._token_texts([t for t, _ in lp["top"]])
+                self.tops.append([(text, v) for text, (_, v) in zip(texts, lp["top"])])
                 self.context = (self.context + [token])[-DECODE_CONTEXT:]
                 self.text += piece
         self.num_tokens += len(token_ids)
         if finish_reason is not None:
             self.finish_reason = finish_reason
 
-    def _token_text(self, token: int) -> str:
-        """The text `token` adds after the recent context."""
+    def _token_texts(self, tokens: list[int]) -> list[str]:
+        """The text each of `tokens` would add after the recent context."""
         if self.tokenizer is None:
-            return f"token_id:{token}"
-        return decode_after(self.tokenizer, self.context, [token])
+            return [f"token_id:{t}" for t in tokens]
+        return texts_after(self.tokenizer, self.context, [[t] for t in tokens])
 
     @property
     def final_text(self) -> str:

@@ -81,8 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         default = defaults.get(o.field, getattr(config, o.field))
         shown = f"{default >> 20} MiB" if o.field == "kv_cache_bytes" and default else default
         metavar = "on|off" if o.type is on_off else None if o.choices else o.flag[2:].upper().replace("-", "_")
-        parser.add_argument(o.flag, *o.aliases, dest=o.field, type=o.type, choices=o.choices, default=defaults.get(o.field),
-                            metavar=metavar, help=o.help if default is None else f"{o.help} (default: {shown})")
+        parser.add_argument(o.flag, *o.aliases, dest=o.field, type=o.type, choices=o.choices,
+                            default=defaults.get(o.field), metavar=metavar,
+                            help=o.help if default is None else f"{o.help} (default: {shown})")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

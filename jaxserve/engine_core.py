@@ -84,7 +84,7 @@ class EngineInfo:
 
 def engine_info(engine) -> EngineInfo:
     tokenizer = getattr(engine, "tokenizer", None)
-    source = getattr(tokenizer, "chat_template_source", None) if getattr(tokenizer, "chat_template", None) else None
+    source = getattr(tokenizer, "chat_template_source", None)
     vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
     return EngineInfo(getattr(engine, "model_name", "model"), engine.max_model_len, tokenizer, source,
                       getattr(engine, "config", None), vocab)
@@ -101,13 +101,11 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
     commands, outputs = connect(context, commands_addr, outputs_addr)
     def progress(state: dict) -> None:
         outputs.send(pickle.dumps(("progress", state)))
-    announced = []
 
     def built(engine) -> None:
         # The engine's description goes out before the warm-up, so the API process unpickles the
         # tokenizer (1.7 s for Gemma 3's) while the engine compiles rather than after.
         outputs.send(pickle.dumps(("info", engine_info(engine))))
-        announced.append(True)
     try:
         engine = factory(progress, built) if isinstance(factory, EngineFactory) else factory()
     except BaseException as e:  # noqa: BLE001 — reported to the API process, which exits with it
@@ -116,7 +114,8 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
         outputs.close(linger=5000)
         return
     try:
-        serve(engine, commands, outputs, orphaned=lambda: os.getppid() != parent_pid, announced=bool(announced))
+        serve(engine, commands, outputs, orphaned=lambda: os.getppid() != parent_pid,
+              announced=isinstance(factory, EngineFactory))  # its `built` sent the info
     finally:
         commands.close(linger=0)
         outputs.close(linger=5000)  # let the last message out

@@ -59,7 +59,14 @@ DECODE_CONTEXT = 4
 
 def decode_after(tokenizer: Tokenizer, context: list[int], ids: list[int]) -> str:
     """The text `ids` add after the `context` ids."""
-    return tokenizer.decode(context + ids)[len(tokenizer.decode(context)):]
+    return texts_after(tokenizer, context, [ids])[0]
+
+
+def texts_after(tokenizer: Tokenizer, context: list[int], candidates: list[list[int]]) -> list[str]:
+    """The text each list of ids in `candidates` would add after the `context` ids (the context
+    decoded once for all of them)."""
+    start = len(tokenizer.decode(context))
+    return [tokenizer.decode(context + ids)[start:] for ids in candidates]
 
 
 def first_stop(text: str, stops) -> tuple[int, str] | None:
