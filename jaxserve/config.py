@@ -7,7 +7,7 @@ import dataclasses
 from jaxserve.batching.policies import STRATEGIES
 
 DTYPES = ("auto", "float32", "bfloat16")
-BACKENDS = ("auto", "pallas", "reference")
+BACKENDS = ("auto", "pallas", "reference")  # "auto" and pallas_kernels.IMPLEMENTATIONS (jax-free here)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -152,6 +152,15 @@ def test_bad_engine_config_raises_value_error(kwargs, match):
         EngineConfig(**kwargs)
 
 
+def test_the_configurable_backends_are_auto_and_the_kernels_implementations():
+    from jaxserve.config import BACKENDS
+    from jaxserve.pallas_kernels import IMPLEMENTATIONS, select_backend
+    assert BACKENDS == ("auto", *IMPLEMENTATIONS)
+    assert select_backend("auto") == "reference"  # on CPU
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
+        select_backend("cuda")
+
+
 def test_engine_keeps_serving_after_bad_input(engine):
     with pytest.raises(ValueError):
         engine.generate(["fine prompt", ""], GREEDY)

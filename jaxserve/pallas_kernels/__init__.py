@@ -4,7 +4,7 @@
 kernels import lazily, since the TPU one pulls in the TPU Pallas module.
 """
 
-from jaxserve.pallas_kernels.backend import BACKENDS, attention_fn, ragged_attention, select_backend
+from jaxserve.pallas_kernels.backend import IMPLEMENTATIONS, attention_fn, ragged_attention, select_backend
 from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
 
-__all__ = ["BACKENDS", "attention_fn", "ragged_attention", "ragged_paged_attention_reference", "select_backend"]
+__all__ = ["IMPLEMENTATIONS", "attention_fn", "ragged_attention", "ragged_paged_attention_reference", "select_backend"]

@@ -12,14 +12,15 @@ import functools
 
 import jax
 
-from jaxserve.config import BACKENDS
 from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
+
+IMPLEMENTATIONS = ("pallas", "reference")  # EngineConfig's attention_backend: one of these or "auto"
 
 
 def select_backend(name: str = "auto") -> str:
     """Resolve a backend name to "pallas" or "reference"; raises ValueError for unknown names."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+    if name not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"unknown attention backend {name!r}; expected auto or one of {IMPLEMENTATIONS}")
     if name == "auto":
         return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "reference"
     return name
