@@ -168,7 +168,7 @@ class Engine:
         device = jax.devices()[0]
         why = auto_weights_dtype()[1] if config.dtype == "auto" else "asked for"
         pool_bytes = sum(x.nbytes for x in runner.kv_pool)
-        buckets = runner.buckets.all_shapes()
+        buckets = runner.buckets
         return "\n".join([
             f"model {self.model_name}: {self.model_config.num_layers} layers, vocab {self.model_config.vocab_size}",
             f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}",
@@ -179,10 +179,10 @@ class Engine:
                 f" (the model's {self.model_config.max_position_embeddings}, capped; --max-model-len for more)"
                 if config.max_model_len is None and self.max_model_len < self.model_config.max_position_embeddings
                 else ""),
-            f"{len(runner.all_programs())} step programs: {len(buckets)} (token, sequence) buckets up to "
-            f"{runner.buckets.max_tokens} tokens and {runner.buckets.max_seqs} sequences, from {runner.buckets.min_rows} "
-            f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if runner.buckets.min_rows > 1 else ''}; "
-            f"sampling per row count",
+            f"{len(runner.all_programs())} step programs: the layers per token bucket ({len(buckets.token_sizes)}, "
+            f"up to {buckets.max_tokens} tokens), the output layer and sampling per row bucket "
+            f"({len(buckets.row_sizes)}, up to {buckets.max_rows} sequences), from {buckets.min_rows} "
+            f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if buckets.min_rows > 1 else ''}",
             f"async scheduling {'on' if config.overlaps_steps else 'off'}"
             f"{'' if config.async_scheduling is not None else ' (auto: on for accelerators only)'}",
         ])

@@ -6,13 +6,14 @@ Each step also keeps every sampling slot's token on the device (`slot_tokens`), 
 host does not have yet is read from there: so step N+1 can be dispatched before step N's tokens
 reach the host, and the host's scheduling overlaps the device's work.
 
-A step is three compiled programs: the model's `forward` per (token, sequence) bucket of
-`StepBuckets`, then `sample` (and `logprobs` when a request asks) per sequence bucket. Sampling
-costs more to compile than all 18 layers of Gemma 3 270M, and it depends only on the rows, so it
-is compiled once per row count rather than once per step shape. Every program is compiled ahead
-of time and counted, `warmup()` compiles them all (several at once on machines with many cores),
-and each is saved to an `ExecutableCache`, so a warm start loads them without tracing. The KV pool is donated to each step and
-updated in place; the only device-to-host transfer per step is the sampled tokens (plus
+A step is three compiled programs: the model's layers (`forward`) per token bucket of
+`StepBuckets`, then the output layer and the sampler (`sample`), and `logprobs` when a request
+asks, per row bucket. What runs per token and what runs per sampled row are compiled apart, so
+the programs add up (token buckets + row buckets) rather than multiply, and a prompt chunk alone
+pays for the output layer on its one row. Every program is compiled ahead of time and counted,
+`warmup()` compiles them all (several at once on machines with many cores), and each is saved to
+an `ExecutableCache`, so a warm start loads them without tracing. The KV pool is donated to each
+step and updated in place; the only device-to-host transfer per step is the sampled tokens (plus
 log-probabilities when a request asks for them). Under a device mesh, parameters and pool keep
 their shardings, step inputs are split by data-parallel replica, and attention runs per shard.
 """
@@ -110,16 +111,17 @@ class Runner:
 
     def dispatch(self, batch: StepBatch, logprobs: bool = False) -> InFlight:
         """Starts a step on the device and returns at once."""
-        tokens, seqs = (n // self.replicas for n in batch.shape)  # a replica's bucket
+        tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
         state, pool, slot_tokens, *inputs = self.step_args(batch)
-        tokens_in, token_slots, meta, logits_indices, sampling, sample_slots = inputs
-        forward = self._executable(("forward", tokens, seqs))
-        self.kv_pool, logits = forward(state, pool, slot_tokens, tokens_in, token_slots, meta, logits_indices)
-        sample_step = self._executable(("sample", seqs))
-        self.slot_tokens, next_tokens = sample_step(self.slot_tokens, logits, sampling, meta.kv_lens, sample_slots)
+        tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots = inputs
+        forward = self._executable(("forward", tokens))
+        self.kv_pool, hidden = forward(state, pool, slot_tokens, tokens_in, token_slots, meta, logits_indices)
+        sample_step = self._executable(("sample", rows))
+        self.slot_tokens, next_tokens, logits = sample_step(state, self.slot_tokens, hidden, sampling, positions,
+                                                            sample_slots)
         out = (next_tokens,)
         if logprobs:
-            out += tuple(self._executable(("logprobs", seqs))(logits, next_tokens))
+            out += tuple(self._executable(("logprobs", rows))(logits, next_tokens))
         self.tokens_run += batch.num_tokens
         self.tokens_computed += batch.shape[0]
         for x in out:
@@ -134,7 +136,7 @@ class Runner:
     def step_args(self, batch: StepBatch) -> tuple:
         """The step's arguments for `batch`: state, pool, slot tokens, then the batch's arrays."""
         inputs = (batch.tokens, batch.token_slots, batch.meta, batch.logits_indices, batch.sampling,
-                  batch.sample_slots)
+                  batch.sample_positions, batch.sample_slots)
         if self.mesh is not None:
             inputs = self._place(inputs)
         return (self.state, self.kv_pool, self.slot_tokens, *inputs)
@@ -142,17 +144,21 @@ class Runner:
     # ---- the three programs of a step ----
 
     def _forward(self, state, kv_pool, slot_tokens, tokens, token_slots, meta: StepMetadata, logits_indices):
-        """K/V of every token into the pool; logits [R, V] of each sequence's last token."""
+        """K/V of every token into the pool; the final hidden states [W, D] of each sequence's last
+        token (rows logits_indices [W], a replica's slice after another's)."""
         model = nnx.merge(self.graphdef, state)
         tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], tokens)
-        logits, kv_pool = model(tokens, kv_pool, meta, attend=self.attend, logits_indices=logits_indices)
-        return kv_pool, logits
+        hidden, kv_pool = model.hidden_states(tokens, kv_pool, meta, attend=self.attend, rows=logits_indices)
+        return kv_pool, hidden
 
-    @staticmethod
-    def _sample(slot_tokens, logits, sampling: SamplingBatch, positions, sample_slots):
-        """One token per row [R]; each sampling row's token also kept in its slot for the next step."""
+    def _sample(self, state, slot_tokens, hidden, sampling: SamplingBatch, positions, sample_slots):
+        """The logits [R, V] of each replica's first R rows of hidden, and one token per row [R];
+        each sampling row's token also kept in its slot for the next step."""
+        rows = sample_slots.shape[0] // self.replicas
+        hidden = hidden.reshape(self.replicas, -1, hidden.shape[-1])[:, :rows].reshape(-1, hidden.shape[-1])
+        logits = nnx.merge(self.graphdef, state).logits(hidden)
         next_tokens = sample(logits, sampling, positions=positions)
-        return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens
+        return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens, logits
 
     def _logprobs(self, logits, tokens):
         return token_logprobs(logits, tokens, self.config.num_logprobs)
@@ -172,11 +178,11 @@ class Runner:
     # ---- compilation ----
 
     def all_programs(self) -> list[tuple]:
-        """The key of every program a step may run: forward per bucket, sample and logprobs per row count."""
-        shapes = self.buckets.all_shapes()
-        rows = sorted({s for _, s in shapes})
-        return ([("forward", t, s) for t, s in shapes] + [("sample", s) for s in rows]
-                + [("logprobs", s) for s in rows])
+        """The key of every program a step may run: forward per token bucket, sample and logprobs
+        per row bucket."""
+        rows = self.buckets.row_sizes
+        return ([("forward", t) for t in self.buckets.token_sizes] + [("sample", r) for r in rows]
+                + [("logprobs", r) for r in rows])
 
     def _executable(self, key: tuple):
         compiled = self._compiled.get(key)
@@ -205,19 +211,22 @@ class Runner:
 
     def program(self, key: tuple):
         """(jitted function, arguments to lower it with) of the program `key` (see `all_programs`)."""
-        kind, seqs = key[0], key[-1]
-        batch = self.padding_batch(key[1] if kind == "forward" else seqs, seqs)
-        state, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, sample_slots = \
+        kind, size = key
+        batch = self.padding_batch(size, self.buckets.min_rows) if kind == "forward" else \
+            self.padding_batch(self.buckets.token_sizes[0], size)
+        state, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots = \
             self.step_args(batch)
-        rows = self.replicas * seqs
+        rows, width = self.replicas * size, self.replicas * self.buckets.max_rows
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                       sharding=self._rows_sharding((rows, self.model_config.vocab_size)))
+        hidden = jax.ShapeDtypeStruct((width, self.model_config.hidden_size), jnp.float32,
+                                      sharding=self._rows_sharding((width, self.model_config.hidden_size)))
         if kind == "forward":
             fn, donate = self._forward, (1,)
             args = (state, pool, slot_tokens, tokens, token_slots, meta, logits_indices)
         elif kind == "sample":
-            fn, donate = self._sample, (0,)
-            args = (slot_tokens, logits, sampling, meta.kv_lens, sample_slots)
+            fn, donate = self._sample, (1,)
+            args = (state, slot_tokens, hidden, sampling, positions, sample_slots)
         else:
             fn, donate = self._logprobs, ()
             args = (logits, jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._rows_sharding((rows,))))
@@ -230,9 +239,12 @@ class Runner:
         shardings = jax.tree.map(lambda x: x.sharding, args)
         if kind == "forward":
             shardings = (self.param_shardings, kv, *shardings[2:])
-            out = (kv, logits.sharding)
+            out = (kv, hidden.sharding)
+        elif kind == "sample":
+            shardings = (self.param_shardings, *shardings[1:])
+            out = (replicated, replicated, logits.sharding)
         else:
-            out = (replicated, replicated) if kind == "sample" else replicated
+            out = replicated
         return jax.jit(fn, in_shardings=shardings, out_shardings=out, donate_argnums=donate), args
 
     def _rows_sharding(self, shape):
@@ -253,17 +265,18 @@ class Runner:
         """Host step inputs onto the mesh, split by replica."""
         return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
 
-    def padding_batch(self, tokens: int, seqs: int) -> StepBatch:
-        """A step of the (tokens, seqs) bucket that is all padding: it writes only the null page."""
-        r = self.replicas
+    def padding_batch(self, tokens: int, rows: int) -> StepBatch:
+        """A step of `tokens` tokens and `rows` sampling rows that is all padding: it writes only
+        the null page."""
+        r, seqs, width = self.replicas, self.buckets.seqs(tokens), self.buckets.max_rows
         zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
-        greedy = SamplingBatch(np.zeros(r * seqs, np.float32), zeros(r * seqs), np.ones(r * seqs, np.float32),
-                               np.zeros(r * seqs, np.float32), np.zeros(r * seqs, np.uint32))
+        greedy = SamplingBatch(np.zeros(r * rows, np.float32), zeros(r * rows), np.ones(r * rows, np.float32),
+                               np.zeros(r * rows, np.float32), np.zeros(r * rows, np.uint32))
         meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=zeros(r * tokens), kv_lens=zeros(r * seqs),
                             block_tables=np.zeros((r * seqs, self.pages_per_seq), np.int32),
                             query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
-        return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * seqs), greedy,
-                         np.full(r * seqs, self.config.max_slots, np.int32), zeros(0))
+        return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
+                         np.full(r * rows, self.config.max_slots, np.int32), zeros(0))
 
     def warmup(self, progress=None, workers: int | None = None) -> int:
         """Loads every program it can from the cache, then compiles the rest, `workers` compiles at
@@ -272,7 +285,8 @@ class Runner:
         Loads run on every core (deserializing releases the GIL: 33 programs loaded in 1.8 s on
         2 threads against 3.0 s on one). XLA's compile runs on several threads of its own: on 2
         cores, two compiles at once took longer than one after another (59.0 s against 53.0 s for
-        Gemma 3 270M's 33 programs), so the default is one compile per 4 cores."""
+        Gemma 3 270M's 33 programs, before the layers and the sampler were compiled apart), so the
+        default is one compile per 4 cores."""
         keys = [k for k in self.all_programs() if k not in self._compiled]
         workers = workers or max(1, (os.cpu_count() or 1) // 4)
         done = 0
@@ -297,5 +311,5 @@ class Runner:
 
 
 def _name(key: tuple) -> str:
-    """A program's name in the compile cache: ("forward", 16, 8) -> "forward-16-8"."""
+    """A program's name in the compile cache: ("forward", 16) -> "forward-16"."""
     return "-".join(map(str, key))

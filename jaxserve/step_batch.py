@@ -1,20 +1,25 @@
 """The host side of one ragged step: the scheduled sequences flattened into the fixed-shape arrays
-the runner's compiled step takes, and the buckets that keep those shapes few.
+the runner's compiled programs take, and the buckets that keep those shapes few.
 
     Schedule {request: tokens} ─► ScheduledSeq per request ─► StepBatch
         tokens [T]          the tokens to run, sequence after sequence (decodes first)
         token_slots [T]     for a token still on the device (sampled by the step before): the slot
                             whose last sampled token it is; -1 for tokens given here
-        meta                positions, pool slots, kv_lens, block tables, query starts (StepMetadata)
-        logits_indices [R]  each sequence's last token: the only rows that reach the output layer
+        meta                positions, pool slots [T]; kv_lens, block tables, query starts [S]
+                            (StepMetadata)
+        logits_indices [W]  each sequence's last token: the only rows that reach the output layer
         sampling [R]        each sequence's sampling parameters
+        sample_positions [R] the position of the token each sequence samples (its sampling key)
         sample_slots [R]    the slot each sampling sequence's token is kept in on the device (for
                             the next step); out of range for the others
 
-T and R are padded to a (token, sequence) bucket. Padding tokens write to the null page and belong
-to no sequence; padding sequences have no tokens and length 0. Under a data-parallel mesh the
-sequences are dealt to replicas by slot (slot % replicas), and each replica's tokens and sequences
-fill an equal, separately padded slice of every array.
+T is padded to a token bucket, and S follows from it (min(T, max_seqs)): the model's forward
+program is compiled once per token bucket. R, the rows that reach the output layer and the
+sampler, is padded to a row bucket of its own, and W is the largest row bucket: the program that
+samples is compiled once per row bucket, whatever the step's tokens. Padding tokens write to the
+null page and belong to no sequence; padding sequences have no tokens and length 0. Under a
+data-parallel mesh the sequences are dealt to replicas by slot (slot % replicas), and each
+replica's tokens and sequences fill an equal, separately padded slice of every array.
 """
 
 from __future__ import annotations
@@ -44,16 +49,17 @@ class StepBatch:
     tokens: np.ndarray  # [T] int32
     token_slots: np.ndarray  # [T] int32
     meta: StepMetadata
-    logits_indices: np.ndarray  # [R] int32
+    logits_indices: np.ndarray  # [W] int32
     sampling: SamplingBatch  # [R] rows
+    sample_positions: np.ndarray  # [R] int32
     sample_slots: np.ndarray  # [R] int32
     rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
     num_tokens: int = 0  # real tokens (the rest of T is padding)
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(tokens, sequences) of the padded batch."""
-        return len(self.tokens), len(self.logits_indices)
+        """(tokens, sampling rows) of the padded batch."""
+        return len(self.tokens), len(self.sample_slots)
 
 
 def _series(high: int, low: int = 1) -> list[int]:
@@ -71,35 +77,42 @@ def _series(high: int, low: int = 1) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
-    """The padded (tokens, sequences) shapes of a replica's slice of a step.
+    """The padded shapes of a replica's slice of a step: tokens and sampling rows, apart.
 
     Tokens round up in steps of at most 1.5x (padding <= 33%, far less on average) up to the token
-    budget. A batch with at most 8 sequences and more than 8 tokens (prompt-heavy) pads its
-    sequences to 8, any other to min(token bucket, max_seqs): the output layer runs once per
-    sequence, so sequences are padded less than they would be by the token bucket alone.
+    budget; a token bucket's sequence metadata has min(tokens, max_seqs) rows. The rows that reach
+    the output layer and the sampler (one per sequence) round up on the same series to max_seqs,
+    whatever the tokens: a prompt chunk of 256 tokens alone samples 2 rows, not 32.
     """
 
     max_tokens: int  # per replica
     max_seqs: int  # per replica
-    min_rows: int = 1  # the smallest token and sequence size
+    min_rows: int = 1  # the smallest token and row size
 
     @property
     def token_sizes(self) -> list[int]:
         return _series(max(self.max_tokens, self.min_rows), self.min_rows)
 
-    def seq_sizes(self, token_size: int) -> list[int]:
-        full = max(min(token_size, self.max_seqs), self.min_rows)
-        return [8, full] if full > 8 else [full]
+    @property
+    def row_sizes(self) -> list[int]:
+        return _series(max(self.max_seqs, self.min_rows), self.min_rows)
+
+    @property
+    def max_rows(self) -> int:
+        """W: the hidden-state rows a forward program hands to the sampling program."""
+        return self.row_sizes[-1]
+
+    def seqs(self, tokens: int) -> int:
+        """S: the sequence rows of a token bucket's metadata (a sequence runs at least one token)."""
+        return max(min(tokens, self.max_seqs), self.min_rows)
 
     def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """(token bucket, row bucket) of a step."""
         if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
             raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds the largest "
                              f"bucket ({self.max_tokens} tokens, {self.max_seqs} sequences)")
-        tokens = next(s for s in self.token_sizes if s >= num_tokens)
-        return tokens, next(s for s in self.seq_sizes(tokens) if s >= num_seqs)
-
-    def all_shapes(self) -> list[tuple[int, int]]:
-        return [(t, s) for t in self.token_sizes for s in self.seq_sizes(t)]
+        return (next(s for s in self.token_sizes if s >= num_tokens),
+                next(s for s in self.row_sizes if s >= num_seqs))
 
 
 def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling: SamplingBatch,
@@ -110,8 +123,9 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
     groups: list[list[int]] = [[] for _ in range(replicas)]
     for i, seq in enumerate(seqs):
         groups[seq.slot % replicas].append(i)
-    t_size, s_size = buckets.shape(max(sum(len(seqs[i].token_ids) for i in g) for g in groups),
+    t_size, r_size = buckets.shape(max(sum(len(seqs[i].token_ids) for i in g) for g in groups),
                                    max(len(g) for g in groups))
+    s_size, w_size = buckets.seqs(t_size), buckets.max_rows
     width = block_tables.shape[1]
     tokens = np.zeros(replicas * t_size, np.int32)
     positions = np.zeros(replicas * t_size, np.int32)
@@ -120,15 +134,16 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
     tables = np.zeros((replicas * s_size, width), np.int32)
     query_start = np.zeros(replicas * (s_size + 1), np.int32)
     num_seqs = np.zeros(replicas, np.int32)
-    logits_indices = np.zeros(replicas * s_size, np.int32)
-    slots = np.zeros(replicas * s_size, np.int64)
-    sample_slots = np.full(replicas * s_size, num_slots, np.int32)
+    logits_indices = np.zeros(replicas * w_size, np.int32)
+    slots = np.zeros(replicas * r_size, np.int64)
+    sample_positions = np.zeros(replicas * r_size, np.int32)
+    sample_slots = np.full(replicas * r_size, num_slots, np.int32)
     slot_of_token = np.full(replicas * t_size, -1, np.int64)
-    real = np.zeros(replicas * s_size, bool)
+    real = np.zeros(replicas * r_size, bool)
     rows = np.zeros(len(seqs), np.int64)
     for r, group in enumerate(groups):
         n = len(group)
-        t0, s0 = r * t_size, r * s_size
+        t0, s0, r0 = r * t_size, r * s_size, r * r_size
         lens = np.fromiter((len(seqs[i].token_ids) for i in group), np.int32, n)
         starts = np.fromiter((seqs[i].start for i in group), np.int32, n)
         ends = np.cumsum(lens, dtype=np.int32)
@@ -138,7 +153,7 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         group_slots = np.fromiter((seqs[i].slot for i in group), np.int64, n)
         rows_of_token = block_tables[group_slots[seq_of_token], pos // page_size]
         tokens[t0: t0 + total] = [t for i in group for t in seqs[i].token_ids]
-        sample_slots[s0: s0 + n] = np.where([seqs[i].samples for i in group], group_slots, num_slots)
+        sample_slots[r0: r0 + n] = np.where([seqs[i].samples for i in group], group_slots, num_slots)
         positions[t0: t0 + total] = pos
         slot_of_token[t0: t0 + total] = group_slots[seq_of_token]
         slot_mapping[t0: t0 + total] = rows_of_token * page_size + pos % page_size
@@ -148,16 +163,16 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         query_start[q0 + 1: q0 + 1 + n] = ends
         query_start[q0 + 1 + n: q0 + 1 + s_size] = total
         num_seqs[r] = n
-        logits_indices[s0: s0 + n] = t0 + ends - 1
-        slots[s0: s0 + n] = group_slots
-        real[s0: s0 + n] = True
-        rows[group] = s0 + np.arange(n)
+        logits_indices[r * w_size: r * w_size + n] = t0 + ends - 1
+        sample_positions[r0: r0 + n] = starts + lens
+        slots[r0: r0 + n] = group_slots
+        real[r0: r0 + n] = True
+        rows[group] = r0 + np.arange(n)
     meta = StepMetadata(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=tables,
                         query_start=query_start, num_seqs=num_seqs)
     on_device = tokens == PENDING
     return StepBatch(np.where(on_device, 0, tokens), np.where(on_device, slot_of_token, -1).astype(np.int32), meta,
-                     logits_indices,
-                     _sampling_rows(sampling, slots, real), sample_slots, rows,
+                     logits_indices, _sampling_rows(sampling, slots, real), sample_positions, sample_slots, rows,
                      num_tokens=sum(len(seq.token_ids) for seq in seqs))
 
 

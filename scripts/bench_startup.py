@@ -3,7 +3,7 @@ the model, making the weights and moving them to the device. On Gemma 3 270M's s
 weights (no download, no torch).
 
     python scripts/bench_startup.py                       # 18 layers, a few shapes
-    python scripts/bench_startup.py --layers 1,6,18 --shapes 2x2,16x16,256x8,256x32
+    python scripts/bench_startup.py --layers 1,6,18 --tokens 2,16,256 --rows 2,32
     python scripts/bench_startup.py --warmup              # Runner.warmup() of every program, timed whole
     python scripts/bench_startup.py --load                # the default model's load, phase by phase
 
@@ -61,8 +61,9 @@ def program_phases(runner: Runner, key: tuple) -> dict[str, float]:
     lowered, t_lower = timed(traced.lower)
     compiled, t_compile = timed(lowered.compile)
     runner._compiled[key] = compiled
-    seqs = key[-1]
-    batch = runner.padding_batch(key[1] if key[0] == "forward" else seqs, seqs)
+    size = key[-1]
+    batch = runner.padding_batch(size, runner.buckets.min_rows) if key[0] == "forward" else \
+        runner.padding_batch(runner.buckets.token_sizes[0], size)
     _, t_first = timed(lambda: runner.step(batch, logprobs=key[0] == "logprobs"))
     _, t_second = timed(lambda: runner.step(batch, logprobs=key[0] == "logprobs"))
     return dict(trace=t_trace, lower=t_lower, compile=t_compile, first=t_first, second=t_second)
@@ -91,7 +92,8 @@ def load_phases(dtype: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="18")
-    parser.add_argument("--shapes", default="2x2,16x16,256x8,256x32", help="tokens x sequences, comma-separated")
+    parser.add_argument("--tokens", default="2,16,256", help="forward programs: token buckets, comma-separated")
+    parser.add_argument("--rows", default="2,32", help="sample and logprobs programs: row buckets")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--warmup", action="store_true", help="time Runner.warmup() of every program instead")
     parser.add_argument("--load", action="store_true", help="time the default model's load instead")
@@ -111,12 +113,13 @@ def main(argv=None) -> None:
         print(f"# {layers} layers: random weights {t_weights:.1f} s, to device {t_model:.1f} s")
         if args.warmup:  # alone: a program timed above would be in jax's in-memory caches
             n, t = timed(runner.warmup)
-            print(f"# {layers} layers: warmup() compiled {n} programs ({len(runner.buckets.all_shapes())} buckets) "
+            print(f"# {layers} layers: warmup() compiled {n} programs ({len(runner.buckets.token_sizes)} token "
+                  f"and {len(runner.buckets.row_sizes)} row buckets) "
                   f"in {t:.1f} s on {os.cpu_count()} threads", flush=True)
             continue
-        keys = [("sample", s) for s in sorted({int(x.split("x")[1]) for x in args.shapes.split(",")})]
+        keys = [("sample", int(r)) for r in args.rows.split(",")]
         keys += [("logprobs", k[1]) for k in keys]
-        keys += [("forward", *map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+        keys += [("forward", int(t)) for t in args.tokens.split(",")]
         for key in keys:
             p = program_phases(runner, key)
             print(f"{layers:>6} {'-'.join(map(str, key)):>14} {p['trace']:>7.2f} {p['lower']:>7.2f} {p['compile']:>8.2f} "

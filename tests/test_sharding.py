@@ -158,8 +158,9 @@ def check_layouts() -> dict:
     slot_tokens_sharding, tokens_sharding = forward.input_shardings[0][2:4]
     assert tokens_sharding.spec == P("data"), tokens_sharding  # each replica's tokens on its own devices
     assert slot_tokens_sharding.is_fully_replicated  # the last sampled token of every slot, everywhere
-    assert forward.output_shardings[1].spec == P("data", None)  # logits: each replica's rows
-    assert all(s.is_fully_replicated for s in sample.output_shardings)  # slot and sampled tokens, everywhere
+    assert forward.output_shardings[1].spec == P("data", None)  # hidden states: each replica's rows
+    assert all(s.is_fully_replicated for s in sample.output_shardings[:2])  # slot and sampled tokens, everywhere
+    assert sample.output_shardings[2].spec == P("data", None)  # logits: each replica's rows
     assert jax.device_count() == 8
     return {}
 

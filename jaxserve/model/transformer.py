@@ -2,7 +2,9 @@
 
 `Transformer(tokens, kv_pool, meta, attend=...) -> (logits, kv_pool)` runs one ragged step: a flat
 run of tokens from many sequences (see `paged_attention.StepMetadata`). The KV pool goes in and
-comes out, so the runner can donate it and XLA updates it in place.
+comes out, so the runner can donate it and XLA updates it in place. The runner calls its two
+halves apart: `hidden_states` (the layers) and `logits` (the output layer), so that the output
+layer is compiled with the sampler, per row count, and the layers per token count.
 
 The layers are one `DecoderLayer` whose parameters are stacked [L, ...], run by `lax.scan` with
 the pool in the carry: XLA compiles one layer, not L (Gemma 3 270M's step compiled in a third of
@@ -75,6 +77,12 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
         """tokens: [T] int32; logits_indices: [R] tokens whose logits to return (None: all).
         Returns (logits [R or T, V] float32, new kv_pool)."""
+        x, kv_pool = self.hidden_states(tokens, kv_pool, meta, attend=attend, rows=logits_indices)
+        return self.logits(x), kv_pool
+
+    def hidden_states(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, rows=None):
+        """The layers: tokens [T] int32 -> (final hidden states [R or T, D] float32 of the tokens
+        `rows` [R] (None: all), new kv_pool)."""
         x = self.embed[...][tokens].astype(jnp.float32)  # [T, D]
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
@@ -87,14 +95,16 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, params)(x, pool, constants, meta, attend), None
         xs = (stacked, LayerConstants.stacked(self.cfg))
         (x, new_pool), _ = jax.lax.scan(layer_step, (x, tuple(kv_pool)), xs)
-        if logits_indices is not None:
-            x = x[logits_indices]  # [R, D]: only the rows that sample pay for the output layer
+        return (x if rows is None else x[rows]), new_pool
+
+    def logits(self, x):
+        """The output layer: hidden states [R, D] float32 -> logits [R, V] float32."""
         x = self.final_norm(x)
         logits = dense_transposed(x, self.embed[...]) if self.lm_head is None else dense(x, self.lm_head[...])
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)
-        return logits, new_pool
+        return logits
 
 
 # XLA:CPU slices a bfloat16 array through float32 and hoists the conversion of the whole stack out
