@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import sys
 import time
 
 from jaxserve.engine_args import add_engine_args, engine_config_from_args, on_off
+
+SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "prometheus_client", "jinja2")  # jaxserve[server]
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -15,6 +19,8 @@ def generate(args: argparse.Namespace) -> None:
     from jaxserve import Engine, SamplingParams
     start = time.perf_counter()
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
+    if engine.tokenizer is not None:
+        engine.tokenizer.load()  # while XLA zeroes the KV pool and places the weights
     print(f"[loaded {engine.model_name} in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     print("\n".join(f"[{line}]" for line in engine.describe().splitlines()), file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -36,12 +42,21 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    try:
-        from jaxserve.server import run
-    except ModuleNotFoundError as e:
-        raise SystemExit(f"error: serving needs the server extras ({e.name} is missing): "
-                         "pip install 'jaxserve[server]'") from None
-    run(args)
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"error: serving needs the server extras ({', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing): "
+                         "pip install 'jaxserve[server]'")
+    from jaxserve.engine_client import EngineClient
+    from jaxserve.engine_core import EngineFactory
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    start = time.perf_counter()
+    # The engine process starts first, and imports jax and loads the model while this process
+    # imports the web stack (1.5 s) on another core.
+    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup))
+    from jaxserve.server import run
+    run(args, client, start)
 
 
 def main(argv: list[str] | None = None) -> None:

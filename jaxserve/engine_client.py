@@ -140,6 +140,8 @@ class EngineClient:
             kind, payload = pickle.loads(self._outputs.recv())
             if kind == "info":  # before the warm-up; "ready" then carries none
                 self.info = payload
+                if payload.tokenizer is not None:  # read here, while the engine warms up
+                    payload.tokenizer.load()
             elif kind != "progress":
                 break
             else:

@@ -76,7 +76,7 @@ class EngineInfo:
 
     model_name: str
     max_model_len: int
-    tokenizer: Any  # jaxserve.tokenizer.Tokenizer (pickles as its JSON) or None
+    tokenizer: Any  # jaxserve.tokenizer.Tokenizer (pickles as its file's path, or its JSON) or None
     chat_template_source: str | None  # "model", "builtin:gemma3" or None (no template)
     config: Any  # EngineConfig
     vocab_size: int | None = None  # of the model: token ids must be below it
@@ -103,8 +103,8 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
         outputs.send(pickle.dumps(("progress", state)))
 
     def built(engine) -> None:
-        # The engine's description goes out before the warm-up, so the API process unpickles the
-        # tokenizer (1.7 s for Gemma 3's) while the engine compiles rather than after.
+        # The engine's description goes out before the warm-up, so the API process reads the
+        # tokenizer (seconds for Gemma 3's) while the engine compiles rather than after.
         outputs.send(pickle.dumps(("info", engine_info(engine))))
     try:
         engine = factory(progress, built) if isinstance(factory, EngineFactory) else factory()

@@ -261,17 +261,13 @@ def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | Non
 
 # ---- command line ----
 
-def run(args) -> None:
-    """`jaxserve serve`: starts the engine process, then serves HTTP until interrupted."""
+def run(args, client: EngineClient, start: float) -> None:
+    """`jaxserve serve` over an engine process already started (`client`, at `start`): serves HTTP
+    until interrupted."""
     import uvicorn
 
-    from jaxserve.engine_args import engine_config_from_args
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    config = engine_config_from_args(args)
-    start = time.perf_counter()
-    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup))
     app = StartingApp(client)  # answers 503 with the start-up's progress until the engine is ready
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -12,15 +13,35 @@ class Tokenizer:
     """Encodes with the tokenizer's own special-token rules (e.g. a BOS prefix) and decodes
     without special tokens."""
 
-    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None,
+    def __init__(self, tokenizer: HFTokenizer | str, chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None):
-        self._tok = tokenizer
+        """`tokenizer`: a `tokenizers` tokenizer, or the path of a tokenizer.json, read on first use
+        (`load()`). Reading Gemma 3's takes seconds and holds the GIL: the engine process of `serve`
+        never reads it (the API process does the text), and a tokenizer from a file pickles as its
+        path, so the process that unpickles it reads the file itself, while the engine warms up."""
+        self._file = tokenizer if isinstance(tokenizer, str) else None
+        if self._file is None:
+            self._tok = tokenizer
         self.chat_template = chat_template
         self.chat_template_source = "model" if chat_template else None  # or "builtin:..." (the loader's)
-        self.bos_token = bos_token if bos_token is not None else self._added_prefix()
+        if bos_token is not None:
+            self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def _added_prefix(self) -> str | None:
+    @functools.cached_property
+    def _tok(self) -> HFTokenizer:
+        return HFTokenizer.from_file(self._file)
+
+    def load(self) -> "Tokenizer":
+        """Reads the tokenizer now (it is read on first use otherwise)."""
+        self._tok  # noqa: B018 — the cached property's read
+        return self
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not (k == "_tok" and self._file)}
+
+    @functools.cached_property
+    def bos_token(self) -> str | None:
         """The special token this tokenizer's own rules put before a text (its BOS), if any."""
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
@@ -28,7 +49,7 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
-        """Loads `tokenizer.json` (and the chat template of `tokenizer_config.json`, if any)."""
+        """`tokenizer.json` (read on first use) and the chat template of `tokenizer_config.json`, if any."""
         file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(file):
             raise FileNotFoundError(f"no tokenizer.json in {path}")
@@ -38,8 +59,7 @@ class Tokenizer:
             with open(config_file) as f:
                 config = json.load(f)
         token = lambda v: v.get("content") if isinstance(v, dict) else v
-        return cls(HFTokenizer.from_file(file), config.get("chat_template"),
-                   token(config.get("bos_token")), token(config.get("eos_token")))
+        return cls(file, config.get("chat_template"), token(config.get("bos_token")), token(config.get("eos_token")))
 
     @property
     def vocab_size(self) -> int:
