@@ -284,7 +284,9 @@ class Engine:
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.ERROR)
                     finished.append(request)
-            self.runner.recover()
+            if self.runner.recover():  # a zeroed pool: no computed token or cached page is in it any more
+                finished += self.scheduler.preempt_all()
+                self.blocks.reset_prefix_cache()
         self.idle = schedule.empty and self._in_flight is None
         finished += self._apply_stop_strings()
         return finished

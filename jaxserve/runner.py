@@ -167,13 +167,16 @@ class Runner:
         zeros = np.zeros(self.config.max_slots, np.int32)
         return jnp.asarray(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
 
-    def recover(self) -> None:
-        """After a failed step, which may have consumed the donated pool: fresh state if so."""
-        if any(x.is_deleted() for x in self.kv_pool):
-            self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
-                                            self.kv_dtype, self.kv_sharding)
+    def recover(self) -> bool:
+        """After a failed step, which may have consumed the donated pool: fresh state if so.
+        Returns whether the pool is a new, zeroed one (every K/V it held is gone)."""
         if self.slot_tokens.is_deleted():
             self.slot_tokens = self._zeros_slot_tokens()
+        if not any(x.is_deleted() for x in self.kv_pool):
+            return False
+        self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
+                                        self.kv_dtype, self.kv_sharding)
+        return True
 
     # ---- compilation ----
 

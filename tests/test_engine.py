@@ -246,6 +246,40 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on(engi
     assert small.generate("the quick", GREEDY)[0].finish_reason == "length"
 
 
+def test_a_step_that_consumed_the_kv_pool_leaves_no_stale_kv_behind(llama_dir, engine, monkeypatch):
+    own = Engine.from_pretrained(llama_dir, engine.config)  # its own pool: the module's stays whole
+    small = own.with_strategy("paged", max_num_batched_tokens=16)
+    prefix = list(range(3, 19))  # two full pages
+    small.generate([prefix + [100, 101, 102]], GREEDY)  # leaves them in the prefix cache
+    failing = small.add_request(list(range(40, 80)), GREEDY)  # its first chunk takes the whole budget
+    bystander = small.add_request(prefix + [110, 111, 112], GREEDY)  # admitted on the cached pages, runs nothing
+    runner, real_executable, donated = small.runner, small.runner._executable, []
+
+    def forward_fails_after_consuming_the_pool(key):
+        program = real_executable(key)
+        if key[0] != "forward":
+            return program
+        monkeypatch.setattr(runner, "_executable", real_executable)  # fail once
+
+        def run(state, pool, *args):
+            program(state, pool, *args)
+            donated.append(all(x.is_deleted() for x in pool))
+            raise RuntimeError("device fell over after the pool was donated")
+        return run
+    monkeypatch.setattr(runner, "_executable", forward_fails_after_consuming_the_pool)
+    assert [r.request_id for r in small.step()] == [failing]
+    assert donated == [True] and small.output(failing).finish_reason == "error"
+    assert small.request(bystander).num_cached_tokens == 16  # it did count on the old pool
+    later = small.add_request(prefix + [120, 121, 122], GREEDY)  # would hit the old cache
+    small.run_until(lambda: small.request(bystander).finished and small.request(later).finished)
+    reference = engine.with_strategy("paged").generate([prefix + [110, 111, 112], prefix + [120, 121, 122]], GREEDY)
+    assert [small.output(i).token_ids for i in (bystander, later)] == [o.token_ids for o in reference]
+    assert [small.output(i).finish_reason for i in (bystander, later)] == ["length", "length"]
+    for i in (failing, bystander, later):
+        small.release(i)
+    assert_idle(small)
+
+
 def test_async_scheduling_gives_the_outputs_of_steps_run_in_order(engine):
     overlapped = engine.with_strategy("paged", async_scheduling=True)
     in_order = engine.with_strategy("paged", async_scheduling=False)

@@ -1,6 +1,7 @@
 """Prefix caching without jax: chained page hashes, salts, the exact LRU eviction order, hits at
-admission, a shared prefix computed once, preemption and abort while pages are shared, and the
-page accounting when idle (free + cached == all, no reference left)."""
+admission, a shared prefix computed once, preemption and abort while pages are shared, a lost
+pool (every hash dropped, the running recomputed), and the page accounting when idle (free +
+cached == all, no reference left)."""
 
 import numpy as np
 import pytest
@@ -103,6 +104,18 @@ def test_a_page_hit_by_an_admission_is_never_evicted_for_it():
     assert blocks.lookup(b.page_hashes[:2]) == [1, 2] and blocks.lookup([hash_page(ROOT, [50, 51, 52, 53], None)]) == [4]
 
 
+def test_a_reset_forgets_every_hash_cached_or_in_use():
+    blocks = BlockManager(5, P)  # 4 usable
+    pages = blocks.allocate(2)
+    for p in pages:
+        blocks.cache(p, bytes([p]) * 32)
+    blocks.free(pages[:1])  # one cached, one still read
+    blocks.reset_prefix_cache()
+    assert (blocks.free_pages, blocks.cached_pages, blocks.used_pages) == (3, 0, 1)
+    blocks.free(pages[1:])
+    assert blocks.free_pages == 4 and blocks.lookup([bytes([p]) * 32 for p in pages]) == []
+
+
 # ---- the scheduler ----
 
 def test_admission_starts_after_the_cached_pages_and_counts_queries_and_hits():
@@ -170,4 +183,26 @@ def test_preemption_and_abort_while_pages_are_shared():
     assert sched.abort("a").pages == [] and blocks._refs[b.pages[0]] == 1
     run_all(sched)
     assert [len(r.output_token_ids) for r in (b, c)] == [10, 10] and c.num_preemptions == 1
+    assert_idle(blocks)
+
+
+def test_when_the_pool_is_lost_no_hash_survives_and_the_running_are_recomputed():
+    sched, blocks = make(budget=8)
+    prefix = list(range(1, 9))
+    sched.add(req("a", prefix + [20, 21, 22, 23], max_tokens=1))
+    run_all(sched)  # 3 pages cached
+    b, c = req("b", prefix + [30, 31, 32], max_tokens=3), req("c", range(40, 60), max_tokens=3)
+    sched.add(b)
+    sched.add(c)
+    assert run_step(sched) == {"b": 3, "c": 5}  # b starts after a's 2 cached pages
+    sched.advance(sched.schedule())  # dispatched, then the pool is lost: b's next token with it
+    assert (b.num_pending_tokens, c.num_computed_tokens) == (1, 12)
+    assert sched.preempt_all() == [b] and b.finish_reason.value == "error"
+    blocks.reset_prefix_cache()
+    assert list(sched.waiting) == [c] and (c.num_computed_tokens, c.pages, c.num_preemptions) == (0, [], 1)
+    assert (blocks.used_pages, blocks.cached_pages, blocks.free_pages) == (0, 0, blocks.total_pages)
+    hits = sched.prefix_cache_hits
+    sched.add(req("d", prefix + [50], max_tokens=1))
+    run_all(sched)
+    assert sched.prefix_cache_hits == hits and len(c.output_token_ids) == 3
     assert_idle(blocks)

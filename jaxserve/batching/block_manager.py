@@ -129,3 +129,11 @@ class BlockManager:
             return
         self._page_of[content_hash] = page
         self._hash_of[page] = content_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every content hash, for when the pool's K/V are gone (a fresh pool after a
+        failed step): cached pages become free, and used pages are freed, not cached, later."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_of.clear()
+        self._hash_of.clear()

@@ -20,6 +20,8 @@ computed, so a first token can be sampled. As pages fill with computed tokens, `
 them in the cache; a finished, aborted or preempted request's pages stay there until evicted.
 A request whose next page another running request is computing waits for it (paged and
 continuous only), so a prefix shared by many requests that arrive together is computed once.
+When the pool's K/V are lost (a failed step consumed it), `preempt_all` sends every running
+request back to be recomputed.
 
 The slot table holds, per slot, what the runner reads as fixed-shape host arrays: the block table
 row and the sampling parameters.
@@ -268,6 +270,17 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def preempt_all(self) -> list[Request]:
+        """Preempts every running request, for when the pool's K/V are gone: each is recomputed
+        from its tokens, in admission order. One whose sampled token is still on the device cannot
+        be (that token is gone too): it ends with `error`. Returns those."""
+        lost = [r for r in self.running if r.num_pending_tokens]
+        for request in lost:
+            self.finish(request, FinishReason.ERROR)
+        for request in self.running[::-1]:  # newest first: each goes to the front of the queue
+            self._preempt(request)
+        return lost
 
     # ---- results ----
 
