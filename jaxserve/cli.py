@@ -53,7 +53,7 @@ def serve(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     start = time.perf_counter()
     # The engine process starts first, and imports jax and loads the model while this process
-    # imports the web stack (1.5 s) on another core.
+    # imports the web stack on another core.
     client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup))
     from jaxserve.server import run
     run(args, client, start)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 _FILL_WAIT_S = 0.001  # a dynamic batch is filling: wait this long for commands instead of spinning
 # Requests just finished and nobody waits for their slots: before planning the next step, wait a
-# moment (their clients' round trip, 3-20 ms here) for their clients' next requests (a closed loop,
+# moment (their clients' round trip) for their clients' next requests (a closed loop,
 # a chat's next turn), so that they join that step instead of the one after. With async scheduling
 # the device is busy meanwhile with the step already dispatched, so a wait shorter than that step
 # costs nothing; with steps in order the device idles, so the wait is a smaller share of a step.

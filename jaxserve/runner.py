@@ -285,11 +285,9 @@ class Runner:
         """Loads every program it can from the cache, then compiles the rest, `workers` compiles at
         a time; returns how many were new. `progress(done, total)` is called as each one is ready.
 
-        Loads run on every core (deserializing releases the GIL: 33 programs loaded in 1.8 s on
-        2 threads against 3.0 s on one). XLA's compile runs on several threads of its own: on 2
-        cores, two compiles at once took longer than one after another (59.0 s against 53.0 s for
-        Gemma 3 270M's 33 programs, before the layers and the sampler were compiled apart), so the
-        default is one compile per 4 cores."""
+        Loads run on every core (deserializing releases the GIL). XLA's compile runs on threads
+        of its own, so on 2 cores two compiles at once took longer than one after another
+        (docs/startup.md): the default is one compile per 4 cores."""
         keys = [k for k in self.all_programs() if k not in self._compiled]
         workers = workers or max(1, (os.cpu_count() or 1) // 4)
         done = 0

@@ -71,18 +71,18 @@ def _top_k_or_vocab(top_k, vocab):
 
 
 SEARCH_WINDOW = 2048  # each row's largest logits (lax.top_k), where the cuts are looked for first
-TOP_K_WINDOW = 256  # ... or fewer, when every row's top-k is below it (CPU, 16 x 262k: 10-18 ms, not ~35)
+TOP_K_WINDOW = 256  # ... or fewer, when every row's top-k is below it (on CPU, 2-3x faster than 2048)
 
 
 def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW, largest=None):
     """Rows of scaled logits [B, V] with what top-k, then top-p (on the renormalized rest), then
     min-p (against the best token) drop set to -inf; tokens tied at a cut are all kept.
 
-    The cuts are read off each row's `window` largest logits (lax.top_k of 2048: ~31 ms at 16 x
-    262k on CPU, where sorting the vocabulary takes ~2 s; `largest`: those already found). A row
+    The cuts are read off each row's `window` largest logits (lax.top_k of 2048 over a 262k
+    vocabulary costs on CPU about 1/60 of sorting it; `largest`: those already found). A row
     whose cut lies beyond its window (top-k above it, or a longer nucleus: at top-p 0.9 Gemma 3
     270M's nucleus held up to 641 tokens after prefixes of a story, up to 1674 after random
-    words) gets it by bisection instead, 32 passes over the vocabulary (~4 ms each), run only if
+    words) gets it by bisection instead, 32 passes over the vocabulary, run only if
     some row needs them. Both find the same cut, but for rounding in the sums of mass."""
     vocab = scaled.shape[-1]
     top_k = _top_k_or_vocab(top_k, vocab)
@@ -134,7 +134,7 @@ def _draw_filtered(keys, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDO
 
     def in_window(size):
         # The barriers keep XLA from folding later reads of the window into the sort that top-k
-        # lowers to, which would stop it from becoming the TopK call again (a full sort: ~1.6 s).
+        # lowers to, which would stop it from becoming the TopK call again (a full sort, 50x slower).
         # One barrier per output: a barrier over both is folded onto the TopK instruction itself,
         # and XLA:CPU's TopkDecomposer then aborts the process (a check failure in tuple_index)
         # when the sampler is partitioned over a mesh.
@@ -204,7 +204,7 @@ def categorical(keys: jax.Array, logits: jax.Array, scale: jax.Array | float = 1
     temperature, applied inside the one pass over the vocabulary), with one uniform number per row: the
     number is placed on the rows' cumulative probability, first among [V/chunk] chunk totals,
     then within the chunk it fell in. jax.random.categorical draws a Gumbel number per vocabulary
-    entry instead, which on CPU costs ~26 ms per row of a 262k vocabulary (threefry), 50x this."""
+    entry instead, which on CPU costs 50x this for a 262k vocabulary (threefry)."""
     b, v = logits.shape
     pad = -v % chunk
     chunks = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, chunk)

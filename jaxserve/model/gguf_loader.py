@@ -65,7 +65,7 @@ _BIASES = {"attn_q": "q_bias", "attn_k": "k_bias", "attn_v": "v_bias"}
 # Reading the file
 #
 # gguf.GGUFReader builds a numpy object per vocabulary entry (about a million for Gemma 3's 262144
-# tokens): ~9 s and ~0.75 GB just to open the file. This small parser reads the same format with
+# tokens): seconds and most of a GB just to open the file. This small parser reads the same format with
 # one bounds-checked cursor, so a truncated file names the byte where it ends. Tensor data stays
 # memory-mapped and is dequantized with `gguf.quants`.
 
