@@ -103,9 +103,9 @@ def test_bad_meshes_raise_clear_errors():
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    """A tiny Llama saved as a user's Hugging Face checkpoint is. Its vocabulary is larger than the
-    sampler's small top-k window (256), so the step compiles a top-k over part of the vocabulary:
-    under a mesh that program used to abort the process inside XLA (issue 28)."""
+    """A tiny Llama saved as a user's Hugging Face checkpoint is, of issue 28's sizes: under a mesh
+    it aborted the process inside XLA (a check failure on an optimization_barrier in the sampler's
+    top-k) until the barriers went per output (32cf7a1), while the suite's own model did not."""
     from conftest import build_checkpoint
     return build_checkpoint(str(tmp_path_factory.mktemp("hf_llama")), "llama", vocab_size=384,
                             max_position_embeddings=256)
