@@ -34,6 +34,7 @@ class Choice:
         self.tokenizer, self.stop, self.include_stop, self.want_logprobs = tokenizer, stop, include_stop, logprobs
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.context = prompt_ids[-DECODE_CONTEXT:]  # for the text of alternative tokens
         self.text = ""  # all generated text (before stop strings are cut)
         self.num_tokens = 0
@@ -45,7 +46,9 @@ class Choice:
         self.emitted = 0  # characters of output text already streamed
         self.emitted_tokens = 0
 
-    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None) -> None:
+    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None,
+            num_cached_tokens: int) -> None:
+        self.num_cached_tokens = num_cached_tokens
         if not self.want_logprobs:  # the common case: one decode for the whole step
             if self.detok is not None and token_ids:
                 self.text += self.detok.add(token_ids)
@@ -163,7 +166,7 @@ class Job:
             c = self.choices[d.index]
             if c.num_tokens == 0 and d.token_ids:
                 self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
-            c.add(d.token_ids, d.logprobs, d.finish_reason)
+            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens)
             touched.add(d.index)
         return touched
 
@@ -195,9 +198,13 @@ class Job:
                 "created": self.created, "model": self.model, "choices": out, "usage": self._usage()}
 
     def _usage(self) -> dict:
-        prompt = sum(c.num_prompt_tokens for c in self.choices[:: self.payload.n])
+        # A prompt counts once however many choices (n) it has: its first copy's tokens, and the
+        # share of them its first copy found in the prefix cache.
+        firsts = self.choices[:: self.payload.n]
+        prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
     def _chunk(self, choices: list[dict], usage: dict | None, with_usage: bool) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.payload.chat else "text_completion",

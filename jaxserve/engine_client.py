@@ -43,6 +43,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[dict] | None  # {"logprob": float, "top": [(token_id, logprob), ...]} per token
     finish_reason: str | None
+    num_cached_tokens: int = 0  # of the request's prompt, served from the prefix cache
 
 
 @dataclasses.dataclass(eq=False)
@@ -279,7 +280,7 @@ class EngineClient:
         if outputs:
             by_loop: dict[asyncio.AbstractEventLoop, dict[asyncio.Queue, list[Delta]]] = {}
             with self._lock:
-                for request_id, tokens, logprobs, finish, timings in outputs:
+                for request_id, tokens, logprobs, finish, cached, timings in outputs:
                     self.metrics.generation_tokens.inc(len(tokens))
                     if finish is not None:
                         self.metrics.observe_finished(finish, timings)
@@ -288,7 +289,7 @@ class EngineClient:
                         sub = self._subs.get(request_id)
                     if sub is not None:  # else its client has gone
                         queues = by_loop.setdefault(sub.loop, {})
-                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish))
+                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish, cached))
             for loop, queues in by_loop.items():
                 _safe_call(loop, _deliver, queues)
         if stats is not None:

@@ -4,7 +4,8 @@
                                       ──► one message of replies (payload accepted or refused, call results)
                                       ──► engine.step()
                 ◄──outputs (PUSH)──── one message per step: each request's new token ids (and
-                                      logprobs), its finish reason and timings once done; engine stats
+                                      logprobs), its prompt tokens found in the prefix cache, its
+                                      finish reason and timings once done; engine stats
 
 The core does nothing but schedule and step: prompts arrive as token ids, and token ids go back;
 text is encoded and decoded in the API process, so neither tokenizer work nor HTTP handling takes
@@ -241,8 +242,9 @@ class _Core:
         return ("added", key, None)
 
     def collect(self) -> list[tuple]:
-        """(request id, new token ids, their logprobs or None, finish reason or None, timings or
-        None) of every request with news; finished requests are released."""
+        """(request id, new token ids, their logprobs or None, finish reason or None, prompt tokens
+        served from the prefix cache, timings or None) of every request with news; finished
+        requests are released."""
         out = []
         for request_id, live in list(self.live.items()):
             r = live.request
@@ -251,7 +253,7 @@ class _Core:
                 continue
             logprobs = r.logprobs[live.sent: n] if r.params.logprobs is not None else None
             finish = r.finish_reason.value if r.finished else None
-            out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish,
+            out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish, r.num_cached_tokens or 0,
                         _timings(r, live.received) if r.finished else None))
             live.sent = n
             if r.finished:
