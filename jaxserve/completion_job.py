@@ -43,11 +43,12 @@ class Choice:
         self.logprobs: list[float | None] = []
         self.tops: list[list[tuple[str, float]]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with `error`, when the API process knows
         self.emitted = 0  # characters of output text already streamed
         self.emitted_tokens = 0
 
     def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None,
-            num_cached_tokens: int) -> None:
+            num_cached_tokens: int, error: str | None = None) -> None:
         self.num_cached_tokens = num_cached_tokens
         if not self.want_logprobs:  # the common case: one decode for the whole step
             if self.detok is not None and token_ids:
@@ -65,7 +66,7 @@ class Choice:
                 self.text += piece
         self.num_tokens += len(token_ids)
         if finish_reason is not None:
-            self.finish_reason = finish_reason
+            self.finish_reason, self.error = finish_reason, error
 
     def _token_texts(self, tokens: list[int]) -> list[str]:
         """The text each of `tokens` would add after the recent context."""
@@ -166,7 +167,7 @@ class Job:
             c = self.choices[d.index]
             if c.num_tokens == 0 and d.token_ids:
                 self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
-            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens)
+            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens, d.error)
             touched.add(d.index)
         return touched
 
@@ -183,7 +184,10 @@ class Job:
         finally:
             gone.cancel()
             self.client.abort(self._unfinished())
-        if any(c.finish_reason == "error" for c in self.choices):
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            if failed.error is not None:  # the engine is gone or the server is stopping: not this request's fault
+                raise ApiError(503, failed.error, "server_error")
             raise ApiError(500, "the engine failed while generating this request", "server_error")
         out = []
         for i, c in enumerate(self.choices):
@@ -245,7 +249,8 @@ class Job:
                 events = []
                 for index in sorted(touched):
                     if self.choices[index].finish_reason == "error":
-                        events.append(f"data: {json.dumps(error_body('the engine failed while generating', 'server_error'))}\n\n")
+                        why = self.choices[index].error or "the engine failed while generating"
+                        events.append(f"data: {json.dumps(error_body(why, 'server_error'))}\n\n")
                         continue
                     choice = self._choice_chunk(index)
                     if choice is not None:

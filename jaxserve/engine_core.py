@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
 import time
 from typing import Any, Callable
 
@@ -95,6 +96,9 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
                 parent_pid: int) -> None:
     """Entry point of the engine process: build the engine, then serve until told to stop (or
     until the API process is gone)."""
+    # Ctrl+C signals the whole process group: it is the API process's to handle (it drains, then
+    # sends `stop`). SIGTERM keeps ending this process: that is how a starting engine is stopped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from jaxserve.host_memory import keep_freed_memory
     keep_freed_memory()  # before the ZMQ and XLA threads start, as the engine wants it
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -265,7 +269,9 @@ class _Core:
         """On stop: every request still served ends with `abort`, and the clients hear of it."""
         for request_id in self.live:
             self.engine.abort(request_id)
-        self._send(("batch", [], self.collect(), self.engine.stats()))
+        stats = self.engine.stats()
+        log.info("the engine stops with %d KV pages held by sequences", stats["used_pages"])
+        self._send(("batch", [], self.collect(), stats))
 
     def _send(self, message) -> None:
         self.outputs.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
