@@ -82,7 +82,7 @@ class Serve:
         return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
 
     def output(self) -> str:
-        self.log.flush()
+        """What the server has written so far (also after `close`)."""
         with open(self.log_path) as f:
             return f.read()
 
