@@ -47,6 +47,8 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: serving needs the server extras ({', '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} missing): "
                          "pip install 'jaxserve[server]'")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
     from jaxserve.engine_client import EngineClient
     from jaxserve.engine_core import EngineFactory
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
                           "checkpoint converted without it)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM or SIGINT, how long requests in flight may take to finish before they are "
+                          "ended (new requests get 503 meanwhile; a second signal stops at once; default 30)")
     srv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:

@@ -34,6 +34,7 @@ class Choice:
         self.tokenizer, self.stop, self.include_stop, self.want_logprobs = tokenizer, stop, include_stop, logprobs
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.context = prompt_ids[-DECODE_CONTEXT:]  # for the text of alternative tokens
         self.text = ""  # all generated text (before stop strings are cut)
         self.num_tokens = 0
@@ -42,10 +43,13 @@ class Choice:
         self.logprobs: list[float | None] = []
         self.tops: list[list[tuple[str, float]]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with `error`, when the API process knows
         self.emitted = 0  # characters of output text already streamed
         self.emitted_tokens = 0
 
-    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None) -> None:
+    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None,
+            num_cached_tokens: int, error: str | None = None) -> None:
+        self.num_cached_tokens = num_cached_tokens
         if not self.want_logprobs:  # the common case: one decode for the whole step
             if self.detok is not None and token_ids:
                 self.text += self.detok.add(token_ids)
@@ -62,7 +66,7 @@ class Choice:
                 self.text += piece
         self.num_tokens += len(token_ids)
         if finish_reason is not None:
-            self.finish_reason = finish_reason
+            self.finish_reason, self.error = finish_reason, error
 
     def _token_texts(self, tokens: list[int]) -> list[str]:
         """The text each of `tokens` would add after the recent context."""
@@ -163,7 +167,7 @@ class Job:
             c = self.choices[d.index]
             if c.num_tokens == 0 and d.token_ids:
                 self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
-            c.add(d.token_ids, d.logprobs, d.finish_reason)
+            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens, d.error)
             touched.add(d.index)
         return touched
 
@@ -180,7 +184,10 @@ class Job:
         finally:
             gone.cancel()
             self.client.abort(self._unfinished())
-        if any(c.finish_reason == "error" for c in self.choices):
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            if failed.error is not None:  # the engine is gone or the server is stopping: not this request's fault
+                raise ApiError(503, failed.error, "server_error")
             raise ApiError(500, "the engine failed while generating this request", "server_error")
         out = []
         for i, c in enumerate(self.choices):
@@ -195,9 +202,13 @@ class Job:
                 "created": self.created, "model": self.model, "choices": out, "usage": self._usage()}
 
     def _usage(self) -> dict:
-        prompt = sum(c.num_prompt_tokens for c in self.choices[:: self.payload.n])
+        # A prompt counts once however many choices (n) it has: its first copy's tokens, and the
+        # share of them its first copy found in the prefix cache.
+        firsts = self.choices[:: self.payload.n]
+        prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
     def _chunk(self, choices: list[dict], usage: dict | None, with_usage: bool) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.payload.chat else "text_completion",
@@ -238,7 +249,8 @@ class Job:
                 events = []
                 for index in sorted(touched):
                     if self.choices[index].finish_reason == "error":
-                        events.append(f"data: {json.dumps(error_body('the engine failed while generating', 'server_error'))}\n\n")
+                        why = self.choices[index].error or "the engine failed while generating"
+                        events.append(f"data: {json.dumps(error_body(why, 'server_error'))}\n\n")
                         continue
                     choice = self._choice_chunk(index)
                     if choice is not None:

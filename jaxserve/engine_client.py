@@ -43,6 +43,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[dict] | None  # {"logprob": float, "top": [(token_id, logprob), ...]} per token
     finish_reason: str | None
+    num_cached_tokens: int = 0  # of the request's prompt, served from the prefix cache
+    error: str | None = None  # why it ended with `error`, when this process decided it (the engine gone, a shutdown)
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,6 +78,7 @@ class EngineClient:
         self._keys = itertools.count()
         self._core_alive: Callable[[], bool] = lambda: False
         self._join: Callable[[float], None] = lambda timeout: None
+        self._terminate: Callable[[], None] = lambda: None
         self._receiver: threading.Thread | None = None
         self._closing = False
         self._stopping = False  # stop() asked the core to end: its end is no death
@@ -101,6 +104,7 @@ class EngineClient:
         process.start()
         client._core_alive = process.is_alive
         client._join = process.join
+        client._terminate = process.terminate
         client._exit_reason = lambda: f"the engine process exited with code {process.exitcode}"
         return client
 
@@ -158,7 +162,10 @@ class EngineClient:
         """Aborts every request, ends the core and closes the channel."""
         if self._core_alive():
             self._stopping = True
-            self._send(("stop",))
+            if self._receiver is None:  # still starting: it reads no command before it is ready
+                self._terminate()
+            else:
+                self._send(("stop",))
             self._join(timeout)
         self.close()
 
@@ -205,6 +212,11 @@ class EngineClient:
             raise (ValueError if kind == "invalid" else QueueFullError if kind == "busy" else RuntimeError)(message)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return ids, deltas
+
+    def fail_all(self, why: str) -> None:
+        """Ends every request in flight with `error` (its stream's error event says `why`) and
+        has the engine abort them, which frees their pages; the engine serves on."""
+        self.abort(self._end_all(why, "error"))  # ended here first: the engine's `abort` finishes reach nobody
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Ends requests with `abort` and frees their pages; unknown or finished ids are ignored.
@@ -279,7 +291,7 @@ class EngineClient:
         if outputs:
             by_loop: dict[asyncio.AbstractEventLoop, dict[asyncio.Queue, list[Delta]]] = {}
             with self._lock:
-                for request_id, tokens, logprobs, finish, timings in outputs:
+                for request_id, tokens, logprobs, finish, cached, timings in outputs:
                     self.metrics.generation_tokens.inc(len(tokens))
                     if finish is not None:
                         self.metrics.observe_finished(finish, timings)
@@ -288,27 +300,34 @@ class EngineClient:
                         sub = self._subs.get(request_id)
                     if sub is not None:  # else its client has gone
                         queues = by_loop.setdefault(sub.loop, {})
-                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish))
+                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish, cached))
             for loop, queues in by_loop.items():
                 _safe_call(loop, _deliver, queues)
         if stats is not None:
             self.metrics.observe_engine(stats)
 
     def _die(self, why: str, reason: str = "error") -> None:
-        """Ends every subscribed request with `reason` and fails every pending command."""
+        """The core has ended: records why (unless it was stopped) and ends everything in flight."""
         if self.error is None and reason == "error":
             log.error("the engine died: %s", why)
             self.error = why
+        self._end_all(f"the engine stopped ({why})", reason)
+
+    def _end_all(self, why: str, reason: str) -> list[str]:
+        """Ends every subscribed request with `reason` and fails every pending command with
+        EngineDeadError(why); returns the ids of the requests ended."""
         with self._lock:
             subs, self._subs = self._subs, {}
             pending, self._pending = self._pending, {}
         by_loop: dict = {}
         for sub in subs.values():
-            by_loop.setdefault(sub.loop, {}).setdefault(sub.queue, []).append(Delta(sub.index, [], None, reason))
+            by_loop.setdefault(sub.loop, {}).setdefault(sub.queue, []).append(
+                Delta(sub.index, [], None, reason, error=why if reason == "error" else None))
         for loop, queues in by_loop.items():
             _safe_call(loop, _deliver, queues)
         for loop, future in pending.values():
-            _safe_call(loop, _resolve, future, None, EngineDeadError(f"the engine stopped ({why})"))
+            _safe_call(loop, _resolve, future, None, EngineDeadError(why))
+        return list(subs)
 
 
 def _resolve(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -4,7 +4,11 @@ They live in the API process. The engine client's receiver thread updates them f
 core's messages (`observe_engine` with the stats sent after each step, `observe_finished` with the
 timings of each finished request); HTTP handlers count rejections and render the text format.
 Names follow the vLLM vocabulary: TTFT, TPOT (time per output token after the first), end-to-end
-latency, queue time.
+latency, queue time. The gauges a router scores replicas by are also exported under vLLM's own
+names (the Gateway API Inference Extension's model server protocol, which llm-d's scheduler
+follows): `vllm:num_requests_waiting`, `vllm:num_requests_running`, and KV-cache use as a fraction
+under both `vllm:kv_cache_usage_perc` (vLLM V1, the protocol today) and `vllm:gpu_cache_usage_perc`
+(older vLLM, which earlier scheduler releases read).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class Metrics:
         self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "KV pages in the pool (null page excluded)",
                                     registry=r)
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_percent", "KV pages in use, percent of the pool", registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
+        self.vllm_kv_usage = [Gauge(name, "KV-cache usage: KV pages in use, 1 means the whole pool", registry=r)
+                              for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens accepted", registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
         self.preemptions = Counter("jaxserve_num_preemptions", "Sequences preempted for lack of KV pages",
@@ -62,13 +70,18 @@ class Metrics:
 
     def observe_engine(self, stats: dict) -> None:
         """Mirrors `Engine.stats()`: gauges are set, engine counters advance by their increase."""
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
+        for gauge in (self.running, self.vllm_running):
+            gauge.set(stats["running"])
+        for gauge in (self.waiting, self.vllm_waiting):
+            gauge.set(stats["waiting"])
         total, used = stats["total_pages"], stats["used_pages"]
         self.kv_pages_used.set(used)
         self.kv_pages_cached.set(stats["cached_pages"])
         self.kv_pages_total.set(total)
-        self.kv_usage.set(100.0 * used / total if total else 0.0)
+        usage = used / total if total else 0.0
+        self.kv_usage.set(100.0 * usage)
+        for gauge in self.vllm_kv_usage:
+            gauge.set(usage)
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
                              ("prefix_cache_hits", self.prefix_cache_hits)):

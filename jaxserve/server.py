@@ -263,13 +263,18 @@ def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | Non
 
 def run(args, client: EngineClient, start: float) -> None:
     """`jaxserve serve` over an engine process already started (`client`, at `start`): serves HTTP
-    until interrupted."""
+    until SIGTERM or SIGINT, then drains (jaxserve/shutdown.py) and stops the engine process."""
     import uvicorn
+
+    from jaxserve.shutdown import AFTER_ABORT_S, DrainGate, DrainingServer
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     app = StartingApp(client)  # answers 503 with the start-up's progress until the engine is ready
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    gate = DrainGate(app)
+    server = DrainingServer(uvicorn.Config(gate, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=AFTER_ABORT_S),
+                            gate, client, args.shutdown_timeout)
 
     stopping = threading.Event()
 
@@ -291,4 +296,3 @@ def run(args, client: EngineClient, start: float) -> None:
         client.stop()
     if app.failed:
         raise RuntimeError(app.failed)
-

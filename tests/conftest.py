@@ -45,30 +45,31 @@ def build_tokenizer(path: str) -> None:
 
 
 def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
-    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, gemma3) with a tokenizer."""
+    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, gemma3) with a tokenizer;
+    `overrides` replace config fields (vocab_size, max_position_embeddings, ...)."""
     import torch
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0) | overrides
     if kind in ("llama", "llama3"):
         scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=64) if kind == "llama3" else None
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=(kind == "llama3"),
-                             rope_scaling=scaling, **overrides)
+                             rope_scaling=scaling)
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = tf.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
+        cfg = tf.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
         model = tf.Qwen2ForCausalLM(cfg)
     elif kind == "qwen3":
-        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False)
         model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "gemma3":
         layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 1
         cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, sliding_window=8,
                                   layer_types=layer_types, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
-                                  query_pre_attn_scalar=32, **overrides)
+                                  query_pre_attn_scalar=32)
         model = tf.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)

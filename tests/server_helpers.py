@@ -1,14 +1,22 @@
-"""Helpers of the server tests: uvicorn on loopback in a thread, and reading /metrics."""
+"""Helpers of the server tests: uvicorn on loopback in a thread, `jaxserve serve` in a subprocess,
+and reading /metrics."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import psutil
 import uvicorn
+
+MAX_MODEL_LEN = 256
 
 
 class ServerThread:
@@ -32,6 +40,60 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """`jaxserve serve` in a subprocess on loopback (with `args` after the usual ones), once its
+    /health says 200; `new_session` puts it in a process group of its own, as a shell does."""
+
+    def __init__(self, model: str, log_path: str, cache_dir: str | None = None, args: tuple[str, ...] = (),
+                 new_session: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = dict(os.environ, **({"JAXSERVE_CACHE": cache_dir} if cache_dir else {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--port", str(self.port),
+             "--max-slots", "16", "--page-size", "8", "--num-pages", "512", "--max-model-len", str(MAX_MODEL_LEN),
+             *args], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
+        self.starting: list[dict] = []  # the 503 bodies /health answered while the engine started
+        deadline = time.monotonic() + 180
+        while True:
+            assert self.proc.poll() is None, open(log_path).read()
+            try:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
+                    break
+                self.starting.append(health.json())
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "jaxserve serve did not start"
+            time.sleep(0.2)
+
+    def engine_process(self) -> psutil.Process:
+        children = psutil.Process(self.proc.pid).children()
+        return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
+
+    def output(self) -> str:
+        """What the server has written so far (also after `close`)."""
+        with open(self.log_path) as f:
+            return f.read()
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
 
 
 def metrics(server) -> dict[str, float]:
