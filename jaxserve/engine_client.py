@@ -8,12 +8,15 @@ starts fresh there) and waits until it is ready; `start_process` then `wait_read
 two halves, so that the server can answer (503, with `startup`'s progress) while it starts; `EngineClient.in_thread(engine)` runs the same loop in a thread over an
 engine already built (tests, stand-in engines). One receiver thread reads the core's one message
 per step and hands each subscriber's deltas to its event loop in one wake-up per step; it also
-updates the metrics and notices when the core dies, which ends every request with `error`.
+updates the metrics and notices when the core dies, which ends every request with `error`. A
+process started with `restarts` is then replaced by a new one (its steps load from the compile
+cache), up to that many times in RESTART_WINDOW_S; one death more and the client gives up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -33,6 +36,8 @@ from jaxserve.errors import EngineDeadError, QueueFullError
 from jaxserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 600.0  # `restarts` counts the engine's restarts over the last ten minutes
 
 
 @dataclasses.dataclass
@@ -82,6 +87,11 @@ class EngineClient:
         self._receiver: threading.Thread | None = None
         self._closing = False
         self._stopping = False  # stop() asked the core to end: its end is no death
+        self._factory: Callable[[], Any] | None = None  # what a restart builds again
+        self._restarts = 0  # restarts allowed within RESTART_WINDOW_S
+        self._restart_times: collections.deque[float] = collections.deque()
+        self.restarting = False
+        self.on_give_up: Callable[[str], None] = lambda why: None  # called (receiver thread) once no restart is left
 
     # ---- starting and stopping ----
 
@@ -95,18 +105,25 @@ class EngineClient:
         return client
 
     @classmethod
-    def start_process(cls, factory: Callable[[], Any], metrics: Metrics | None = None) -> "EngineClient":
-        """Starts the engine process and returns at once; `wait_ready` then waits for the engine."""
+    def start_process(cls, factory: Callable[[], Any], metrics: Metrics | None = None,
+                      restarts: int = 0) -> "EngineClient":
+        """Starts the engine process and returns at once; `wait_ready` then waits for the engine.
+        Once ready, a dead engine process is replaced by a new one up to `restarts` times within
+        RESTART_WINDOW_S; at the next death `on_give_up(why)` is called (0: no restart, no giving up)."""
         client = cls(metrics)
+        client._factory, client._restarts = factory, restarts
+        client._launch()
+        return client
+
+    def _launch(self) -> None:
         process = multiprocessing.get_context("spawn").Process(
             target=engine_core.run_process, name="jaxserve-engine", daemon=True,
-            args=(factory, *client._addrs, logging.getLogger().getEffectiveLevel(), os.getpid()))
+            args=(self._factory, *self._addrs, logging.getLogger().getEffectiveLevel(), os.getpid()))
         process.start()
-        client._core_alive = process.is_alive
-        client._join = process.join
-        client._terminate = process.terminate
-        client._exit_reason = lambda: f"the engine process exited with code {process.exitcode}"
-        return client
+        self._core_alive = process.is_alive
+        self._join = process.join
+        self._terminate = process.terminate
+        self._exit_reason = lambda: f"the engine process exited with code {process.exitcode}"
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Waits for the engine started by `start_process`, keeping its progress in `startup`."""
@@ -132,37 +149,44 @@ class EngineClient:
         return client
 
     def _start(self, timeout: float | None, exit_reason: Callable[[], str]) -> None:
+        try:
+            self._await_ready(timeout, exit_reason)
+        except (RuntimeError, TimeoutError):
+            self.close()
+            raise
+        self._exit_reason = exit_reason
+        self._receiver = threading.Thread(target=self._receive, name="jaxserve-receiver", daemon=True)
+        self._receiver.start()
+
+    def _await_ready(self, timeout: float | None, exit_reason: Callable[[], str]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while not self._outputs.poll(200):
+                if self._closing or self._stopping:
+                    raise RuntimeError("the engine did not start: stopped meanwhile")
                 if not self._core_alive():
-                    self.close()
                     raise RuntimeError(f"the engine did not start: {exit_reason()}")
                 if deadline is not None and time.monotonic() > deadline:
-                    self.close()
                     raise TimeoutError(f"the engine did not start within {timeout} s")
             kind, payload = pickle.loads(self._outputs.recv())
             if kind == "info":  # before the warm-up; "ready" then carries none
-                self.info = payload
-                if payload.tokenizer is not None:  # read here, while the engine warms up
-                    payload.tokenizer.load()
+                if self.info is None:  # a restarted engine is the same model: its tokenizer is read
+                    self.info = payload
+                    if payload.tokenizer is not None:  # read here, while the engine warms up
+                        payload.tokenizer.load()
             elif kind != "progress":
                 break
             else:
                 self.startup = payload
         if kind != "ready":
-            self.close()
             raise RuntimeError(f"the engine did not start: {payload}")
-        self.info = payload or self.info
-        self._exit_reason = exit_reason
-        self._receiver = threading.Thread(target=self._receive, name="jaxserve-receiver", daemon=True)
-        self._receiver.start()
+        self.info = self.info or payload
 
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts every request, ends the core and closes the channel."""
         if self._core_alive():
             self._stopping = True
-            if self._receiver is None:  # still starting: it reads no command before it is ready
+            if self._receiver is None or self.restarting:  # still starting: it reads no command before it is ready
                 self._terminate()
             else:
                 self._send(("stop",))
@@ -254,6 +278,8 @@ class EngineClient:
     @property
     def not_running_message(self) -> str:
         """Why requests are refused, once not alive (the cause may reach us a moment after the death)."""
+        if self.restarting:
+            return f"the engine is restarting ({self.error})"
         return f"the engine is not running ({self.error})" if self.error else "the engine is not running"
 
     def _check_alive(self) -> None:
@@ -274,13 +300,53 @@ class EngineClient:
                 if not self._core_alive():
                     if not self._stopping:
                         self._die(self._exit_reason())
+                        if self._restart():
+                            continue
                     return
                 continue
             if message[0] == "batch":
                 self._on_batch(*message[1:])
             elif message[0] == "dead":
                 self._die(message[1])
-                return
+                if not self._restart():
+                    return
+
+    def _restart(self) -> bool:
+        """Replaces the dead engine process if a restart is left in the window; True once the new
+        one is ready. Requests are refused (503) meanwhile: `alive` is false while `error` is set."""
+        while self._factory is not None and not (self._closing or self._stopping):
+            now = time.monotonic()
+            while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+                self._restart_times.popleft()
+            if len(self._restart_times) >= self._restarts:
+                if self._restarts:
+                    why = (f"the engine process died {len(self._restart_times) + 1} times within "
+                           f"{RESTART_WINDOW_S:g} s, past its {self._restarts} restarts ({self.error})")
+                    log.error("%s: giving up", why)
+                    self.on_give_up(why)
+                return False
+            self._restart_times.append(now)
+            self.metrics.engine_restarts.inc()
+            self._join(5)  # the old process must be gone before a new one connects to the sockets
+            if self._core_alive():
+                self._terminate()
+                self._join(5)
+            log.warning("starting a new engine process (restart %d of %d within %g s)",
+                        len(self._restart_times), self._restarts, RESTART_WINDOW_S)
+            self.restarting, self.startup = True, {"phase": "restarting"}
+            try:
+                self._launch()
+                self._await_ready(None, self._exit_reason)
+            except RuntimeError as e:
+                log.error("%s", e)
+                continue
+            finally:
+                self.restarting = False
+            self.metrics.engine_replaced()
+            self.error = None
+            log.info("the new engine process is ready")
+            return True
+        return False
 
     def _on_batch(self, replies: list[tuple], outputs: list[tuple], stats: dict | None) -> None:
         with self._lock:

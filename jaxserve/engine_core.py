@@ -67,8 +67,10 @@ class EngineFactory:
             progress({"phase": "compiling", "done": 0, "total": total})
             programs = engine.runner.warmup(lambda done, total: progress(
                 {"phase": "compiling", "done": done, "total": total}))
-            log.info("%d step programs compiled or loaded from the compile cache in %.1f s", programs,
-                     time.perf_counter() - start)
+            cache = engine.runner.cache
+            loaded = cache.loaded if cache is not None else 0
+            log.info("%d step programs ready in %.1f s: %d compiled, %d loaded from the compile cache", programs,
+                     time.perf_counter() - start, programs - loaded, loaded)
         return engine
 
 

@@ -47,6 +47,8 @@ class Metrics:
         self.compiles = Counter("jaxserve_num_compiles", "XLA compilations of prefill and decode steps",
                                 registry=r)
         self.engine_errors = Counter("jaxserve_engine_step_errors", "Engine steps that failed", registry=r)
+        self.engine_restarts = Counter("jaxserve_engine_restarts",
+                                       "Engine processes started again after the previous one died", registry=r)
         self.finished = Counter("jaxserve_requests_finished", "Requests ended, by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("jaxserve_requests_rejected", "HTTP requests refused, by status code",
@@ -67,6 +69,10 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0}
+
+    def engine_replaced(self) -> None:
+        """A new engine counts from 0: its counters advance the exported ones from there."""
+        self._seen = dict.fromkeys(self._seen, 0)
 
     def observe_engine(self, stats: dict) -> None:
         """Mirrors `Engine.stats()`: gauges are set, engine counters advance by their increase."""

@@ -278,6 +278,11 @@ def run(args, client: EngineClient, start: float) -> None:
 
     stopping = threading.Event()
 
+    def give_up(why: str) -> None:  # no engine restart left: exit non-zero, for a supervisor to take over
+        app.failed = why
+        server.should_exit = True
+    client.on_give_up = give_up
+
     def when_ready():
         try:
             client.wait_ready()

@@ -3,6 +3,8 @@ and reading /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import signal
@@ -17,6 +19,8 @@ import psutil
 import uvicorn
 
 MAX_MODEL_LEN = 256
+STREAMS = 4  # of `streams_in_flight`
+LONG = MAX_MODEL_LEN - 16  # tokens each of them asks for: many steps, so they still run when the test acts
 
 
 class ServerThread:
@@ -111,3 +115,40 @@ def wait_idle(server, timeout=20.0) -> dict[str, float]:
             return m
         assert time.monotonic() < deadline, f"KV pages still held: {m['jaxserve_kv_pages_used']}"
         time.sleep(0.05)
+
+
+class Stream:
+    """One streaming completion: its SSE data lines, read as they come."""
+
+    def __init__(self, client: httpx.AsyncClient, i: int):
+        self.events: list[str] = []
+        self.started = asyncio.Event()  # the first chunk has arrived
+        self.done = False
+        self.task = asyncio.ensure_future(self._read(client, {
+            "prompt": f"the lazy dog {i}", "max_tokens": LONG, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}))
+
+    async def _read(self, client, body) -> None:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
+                    self.started.set()
+        self.done = True
+
+    def chunks(self) -> list[dict]:
+        """Every event before [DONE]."""
+        return [json.loads(e) for e in self.events[:-1]]
+
+    def finish_reasons(self) -> list[str | None]:
+        return [c["choices"][0]["finish_reason"] for c in self.chunks() if c.get("choices")]
+
+    def errors(self) -> list[dict]:
+        return [c["error"] for c in self.chunks() if "error" in c]
+
+
+async def streams_in_flight(client: httpx.AsyncClient) -> list[Stream]:
+    streams = [Stream(client, i) for i in range(STREAMS)]
+    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+    return streams

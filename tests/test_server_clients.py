@@ -116,7 +116,7 @@ def test_64_concurrent_streams_lose_nothing(serve):
 
 
 def test_engine_process_death_makes_health_503(checkpoints, tmp_path):
-    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"))
+    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"), args=("--engine-restarts", "0"))
     try:
         s.engine_process().kill()
         deadline = time.monotonic() + 20

@@ -8,54 +8,14 @@ error event and [DONE]; a second signal stops at once. Every exit is 0 with no K
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
 import httpx
-from server_helpers import MAX_MODEL_LEN, Serve
+from server_helpers import LONG, STREAMS, Serve, streams_in_flight
 
-STREAMS = 4
-LONG = MAX_MODEL_LEN - 16  # tokens: many steps, so the streams still run when the signal comes
 EXIT_S = 30
 STOPPED = "the engine stops with 0 KV pages held"
-
-
-class Stream:
-    """One streaming completion: its SSE data lines, read as they come."""
-
-    def __init__(self, client: httpx.AsyncClient, i: int):
-        self.events: list[str] = []
-        self.started = asyncio.Event()  # the first chunk has arrived
-        self.done = False
-        self.task = asyncio.ensure_future(self._read(client, {
-            "prompt": f"the lazy dog {i}", "max_tokens": LONG, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}))
-
-    async def _read(self, client, body) -> None:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[6:])
-                    self.started.set()
-        self.done = True
-
-    def chunks(self) -> list[dict]:
-        """Every event before [DONE]."""
-        return [json.loads(e) for e in self.events[:-1]]
-
-    def finish_reasons(self) -> list[str | None]:
-        return [c["choices"][0]["finish_reason"] for c in self.chunks() if c.get("choices")]
-
-    def errors(self) -> list[dict]:
-        return [c["error"] for c in self.chunks() if "error" in c]
-
-
-async def streams_in_flight(client: httpx.AsyncClient) -> list[Stream]:
-    streams = [Stream(client, i) for i in range(STREAMS)]
-    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
-    return streams
 
 
 def test_sigterm_lets_the_streams_in_flight_finish_and_answers_new_requests_503(checkpoints, tmp_path):
