@@ -38,6 +38,12 @@ class Metrics:
                                    registry=r)
         self.compiles = Counter("jaxserve_num_compiles", "XLA compilations of prefill and decode steps",
                                 registry=r)
+        self.mask_seconds = Counter("jaxserve_structured_output_mask_seconds",
+                                    "Host time filling structured-output token masks (llguidance), all steps",
+                                    registry=r)
+        self.mask_steps = Counter("jaxserve_structured_output_mask_steps",
+                                  "Steps that filled a structured-output token mask (mean per step: the "
+                                  "seconds counter over this one)", registry=r)
         self.engine_errors = Counter("jaxserve_engine_step_errors", "Engine steps that failed", registry=r)
         self.finished = Counter("jaxserve_requests_finished", "Requests ended, by finish reason",
                                 ["finish_reason"], registry=r)
@@ -58,7 +64,7 @@ class Metrics:
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
-                      "prefix_cache_hits": 0}
+                      "prefix_cache_hits": 0, "structured_output_mask_seconds": 0, "structured_output_mask_steps": 0}
 
     def observe_engine(self, stats: dict) -> None:
         """Mirrors `Engine.stats()`: gauges are set, engine counters advance by their increase."""
@@ -71,7 +77,9 @@ class Metrics:
         self.kv_usage.set(100.0 * used / total if total else 0.0)
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits)):
+                             ("prefix_cache_hits", self.prefix_cache_hits),
+                             ("structured_output_mask_seconds", self.mask_seconds),
+                             ("structured_output_mask_steps", self.mask_steps)):
             value = stats.get(key, 0)
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
