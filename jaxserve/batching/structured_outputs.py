@@ -12,6 +12,9 @@ import dataclasses
 import json
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON is written as json.dumps writes it, with no other whitespace: where any run of whitespace is
+# allowed, a small model can loop on spaces until max_tokens. A schema's "x-guidance" overrides it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,10 +79,9 @@ def _compile(spec: StructuredOutputs, kind: str) -> str:
 
     field = spec.field
     try:
-        if kind == "json":
-            grammar = llguidance.grammar_from("json_schema", spec.json)
-        elif kind == "json_object":
-            grammar = llguidance.grammar_from("json_schema", '{"type": "object"}')
+        if kind in ("json", "json_object"):
+            schema = spec.json if kind == "json" else '{"type": "object"}'
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         elif kind == "choice":
             # Each choice is a literal: a Lark string literal is a JSON string.
             grammar = llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in spec.choice))
