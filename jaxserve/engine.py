@@ -170,6 +170,11 @@ class Engine:
                   leave=False) as bar:
             return self.runner.warmup(lambda done, total: bar.update(1))
 
+    def prepare_structured_output(self) -> None:
+        """Builds llguidance's view of the tokenizer in a background thread (seconds for a large
+        vocabulary), so that the first constrained request does not wait for it."""
+        self._grammars.prepare()
+
     def describe(self) -> str:
         """What start-up resolved, one line each: backend, dtypes and why, KV pages, shapes."""
         config, runner = self.config, self.runner

@@ -11,20 +11,29 @@ bitmask of the tokens each constrained row may sample next.
 
 A matcher's state is the output so far. Preemption recomputes the prompt and the output already
 sampled, then samples the next token, so the matcher (which consumed that output) stays valid.
-llguidance's tokenizer (a trie of every token's bytes) is built from the engine's tokenizer when
-the first constrained request arrives: about a second for a 262k vocabulary, once per engine.
+llguidance's tokenizer (a trie of every token's bytes) is built from the engine's tokenizer once
+per tokenizer: when the first constrained request arrives, or ahead of it in a background thread
+(`prepare`, which `jaxserve serve`'s engine process calls as its warm-up starts): for Gemma 3's
+262k tokens, reading the tokenizer took about 5 s here and building the trie 4 s.
 No jax here.
 """
 
 from __future__ import annotations
 
-import functools
+import concurrent.futures
+import threading
 import time
+import weakref
 from typing import Sequence
 
 import numpy as np
 
 from jaxserve.batching.structured_outputs import StructuredOutputs, short_error
+
+
+_BUILDS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()  # tokenizer -> builds
+_BUILDS_LOCK = threading.Lock()
+_EXECUTOR = None  # llguidance's thread pool, one per process
 
 
 class GrammarMatchers:
@@ -45,21 +54,57 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    @functools.cached_property
+    def prepare(self) -> None:
+        """Starts building llguidance's tokenizer in a background thread, so that the first
+        constrained request does not wait seconds for it."""
+        if self.tokenizer is not None:
+            self._ll_tokenizer_future(background=True)
+
+    @property
     def _ll_tokenizer(self):
-        import llguidance
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer: this model has none")
+        return self._ll_tokenizer_future(background=False).result()
+
+    def _ll_tokenizer_future(self, background: bool) -> concurrent.futures.Future:
+        """The build of llguidance's tokenizer, shared by every engine over the same tokenizer
+        (`Engine.with_strategy`); run here, or in a thread of its own if `background`."""
+        key = (self.vocab_size, tuple(self.eos_token_ids))
+        with _BUILDS_LOCK:
+            builds = _BUILDS.setdefault(self.tokenizer, {})
+            future = builds.get(key)
+            if future is None:
+                future = builds[key] = concurrent.futures.Future()
+                start = True
+            else:
+                start = False
+        if start:
+            def build():
+                try:
+                    future.set_result(self._build_ll_tokenizer())
+                except BaseException as e:  # noqa: BLE001 — raised to whoever asks for it
+                    future.set_exception(e)
+            if background:
+                threading.Thread(target=build, name="jaxserve-llguidance-tokenizer", daemon=True).start()
+            else:
+                build()
+        return future
+
+    def _build_ll_tokenizer(self):
+        import llguidance
         if self.tokenizer.vocab_size > self.vocab_size:
             raise ValueError(f"structured_outputs: the tokenizer has {self.tokenizer.vocab_size} tokens, more than "
                              f"the model's {self.vocab_size}")
         return llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
                                       eos_token=self.eos_token_ids or None)
 
-    @functools.cached_property
+    @property
     def _executor(self):
-        import llguidance
-        return llguidance.LLExecutor()
+        global _EXECUTOR
+        if _EXECUTOR is None:
+            import llguidance
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
 
     def add(self, request_id: str, spec: StructuredOutputs) -> None:
         """A matcher for a new request; ValueError (naming the spec's field) if the grammar does

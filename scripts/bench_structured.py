@@ -174,6 +174,7 @@ def main(argv=None) -> dict:
                                                              max_num_batched_tokens=max(256, slots)))
     print(engine.describe(), flush=True)
     start = time.perf_counter()
+    engine.prepare_structured_output()
     engine.warmup(progress=True)
     print(f"warm-up {time.perf_counter() - start:.1f} s", flush=True)
     compiles = engine.stats()["num_compiles"]

@@ -80,6 +80,9 @@ def test_specs_compile_and_travel():
         assert again.structured_outputs.llguidance_grammar == params.structured_outputs.llguidance_grammar
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputs"):
         SamplingParams(structured_outputs={"regex": "a"})
+    # Properties are generated in the schema's order, so the spec keeps it.
+    spec = StructuredOutputs(json={"type": "object", "properties": {"zeta": {}, "alpha": {}}})
+    assert spec.json.index("zeta") < spec.json.index("alpha")
 
 
 # ---- host masks ----
@@ -121,9 +124,11 @@ def test_masks_hold_exactly_the_tokens_that_continue_the_grammar(tokenizer):
     assert "a" not in matchers and len(matchers) == 1
 
 
-def test_a_grammar_the_tokenizer_cannot_spell_is_refused_at_add(tokenizer):
-    matchers = GrammarMatchers(tokenizer, 160, (2,))
-    matchers.add("ok", StructuredOutputs(regex="[a-z]+"))
+def test_llguidance_tokenizer_is_built_once_per_tokenizer_and_needs_one(tokenizer):
+    first = GrammarMatchers(tokenizer, 160, (2,))
+    first.prepare()  # in a thread of its own
+    first.add("ok", StructuredOutputs(regex="[a-z]+"))
+    assert GrammarMatchers(tokenizer, 160, (2,))._ll_tokenizer is first._ll_tokenizer  # another engine's
     with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
         GrammarMatchers(None, 160).add("x", StructuredOutputs(regex="a"))
 

@@ -51,8 +51,9 @@ class StructuredOutputs:
                     raise ValueError(f"{field} is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"{field} must be a JSON schema (an object), got {type(schema).__name__}")
-            # Kept as canonical text: the params stay hashable and pickle small.
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            # Kept as text, so the params stay hashable; key order is kept too: properties are
+            # generated in the schema's order.
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         elif kind == "choice":
             choice = self.choice
             if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice or \
