@@ -432,7 +432,15 @@ class Engine:
         # Validate (and tokenize) all before queueing any.
         token_lists = [self._validate(prompt, p or SamplingParams()) for prompt, p in zip(prompts, params_list)]
         group = next(self._groups)
-        ids = [self.add_request(tokens, p, group=group, cache_salt=cache_salt) for tokens, p in zip(token_lists, params_list)]
+        ids: list[str] = []
+        try:
+            for tokens, p in zip(token_lists, params_list):
+                ids.append(self.add_request(tokens, p, group=group, cache_salt=cache_salt))
+        except Exception:  # e.g. a grammar that only fails against the tokenizer: queue none of them
+            for i in ids:
+                self.abort(i)
+                self.release(i)
+            raise
         self.run_until(lambda: all(self._requests[i].finished for i in ids))
         outputs = [self.output(i) for i in ids]
         for i in ids:

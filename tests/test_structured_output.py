@@ -250,7 +250,9 @@ def test_bad_specs_queue_nothing(engine):
     no_tokenizer = Engine(engine.model_config, None, None, CONFIG, runner=engine.runner)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         no_tokenizer.add_request([5, 6, 7], constrained(regex="a"))
-    assert no_tokenizer.stats()["waiting"] == 0
+    with pytest.raises(ValueError, match="needs a tokenizer"):  # a payload is queued whole or not at all
+        no_tokenizer.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2), constrained(regex="a")])
+    assert no_tokenizer.stats()["waiting"] == 0 and not no_tokenizer._requests
     assert_idle(engine)
 
 
