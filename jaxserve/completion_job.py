@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from jaxserve.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
+from jaxserve.structured_requests import ToolCalls
 from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, first_stop, texts_after
 
 
@@ -116,6 +117,7 @@ class Payload:
     include_stop: bool = False
     request_id: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation: different salts never share pages
+    tool_calls: ToolCalls | None = None  # chat: the reply is constrained to tool calls; read them back
 
 
 class Job:
@@ -192,14 +194,24 @@ class Job:
         out = []
         for i, c in enumerate(self.choices):
             if self.payload.chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": c.final_text},
+                message, finish = self._message(c)
+                out.append({"index": i, "message": message,
                             "logprobs": c.chat_logprobs(0, c.num_tokens) if self.payload.logprobs else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": finish})
             else:
                 out.append({"index": i, "text": self.echo[i] + c.final_text, "finish_reason": c.finish_reason,
                             "logprobs": c.completion_logprobs(0, c.num_tokens) if self.payload.logprobs else None})
         return {"id": self.id, "object": "chat.completion" if self.payload.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": self._usage()}
+
+    def _message(self, c: Choice) -> tuple[dict, str | None]:
+        """A chat choice's message and finish reason: its text, or its tool calls when the reply
+        was constrained to them (and is complete JSON)."""
+        calls = self.payload.tool_calls.parse(c.final_text) if self.payload.tool_calls is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": c.final_text}, c.finish_reason
+        return ({"role": "assistant", "content": None, "tool_calls": calls},
+                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
 
     def _usage(self) -> dict:
         # A prompt counts once however many choices (n) it has: its first copy's tokens, and the
@@ -219,6 +231,8 @@ class Job:
 
     def _choice_chunk(self, index: int) -> dict | None:
         c = self.choices[index]
+        if self.payload.tool_calls is not None:
+            return self._tool_calls_chunk(index)
         text, start, end = c.new_text(), c.emitted_tokens, c.num_tokens
         c.emitted_tokens = end
         if not text and start == end and c.finish_reason is None:
@@ -229,6 +243,18 @@ class Job:
                     "finish_reason": c.finish_reason}
         logprobs = c.completion_logprobs(start, end, len(self.echo[index])) if self.payload.logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def _tool_calls_chunk(self, index: int) -> dict | None:
+        """A streamed reply constrained to tool calls: held back, then its calls in one delta."""
+        c = self.choices[index]
+        if c.finish_reason is None:
+            return None
+        message, finish = self._message(c)
+        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
+                 if "tool_calls" in message else {"content": message["content"]})
+        start, c.emitted_tokens = c.emitted_tokens, c.num_tokens
+        logprobs = c.chat_logprobs(start, c.num_tokens) if self.payload.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def _events(self, include_usage: bool, continuous: bool):
         try:
@@ -300,13 +326,16 @@ def _first_of_each(top: list[tuple[str, float]]) -> dict[str, float]:
 
 
 _PARAMS = {"prompt", "max_tokens", "stop", "stop_token_ids", "seed", "temperature", "top_p", "top_k", "min_p",
-           "logprobs"}
+           "logprobs", "structured_outputs", "response_format", "tools"}
 
 
 def param_of(message: str) -> str | None:
-    """The request field an engine or SamplingParams ValueError names (its messages start with it)."""
+    """The request field an engine or SamplingParams ValueError names (its messages start with it;
+    a constraint's field is a dotted path, e.g. response_format.json_schema.schema)."""
     words = message.replace(":", " ").split()
     if len(words) > 1 and words[0] == "prompt" and words[1].isdigit():  # "prompt 2: ..." of a list
         words = words[2:]
     first = words[0] if words else ""
-    return first if first in _PARAMS else "prompt" if "prompt" in message else None
+    if first.split(".")[0].split("[")[0] in _PARAMS:
+        return first
+    return "prompt" if "prompt" in message else None

@@ -46,6 +46,12 @@ class Metrics:
                                    registry=r)
         self.compiles = Counter("jaxserve_num_compiles", "XLA compilations of prefill and decode steps",
                                 registry=r)
+        self.mask_seconds = Counter("jaxserve_structured_output_mask_seconds",
+                                    "Host time filling structured-output token masks (llguidance), all steps",
+                                    registry=r)
+        self.mask_steps = Counter("jaxserve_structured_output_mask_steps",
+                                  "Steps that filled a structured-output token mask (mean per step: the "
+                                  "seconds counter over this one)", registry=r)
         self.engine_errors = Counter("jaxserve_engine_step_errors", "Engine steps that failed", registry=r)
         self.engine_restarts = Counter("jaxserve_engine_restarts",
                                        "Engine processes started again after the previous one died", registry=r)
@@ -68,7 +74,7 @@ class Metrics:
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
-                      "prefix_cache_hits": 0}
+                      "prefix_cache_hits": 0, "structured_output_mask_seconds": 0, "structured_output_mask_steps": 0}
 
     def engine_replaced(self) -> None:
         """A new engine counts from 0: its counters advance the exported ones from there."""
@@ -90,7 +96,9 @@ class Metrics:
             gauge.set(usage)
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits)):
+                             ("prefix_cache_hits", self.prefix_cache_hits),
+                             ("structured_output_mask_seconds", self.mask_seconds),
+                             ("structured_output_mask_steps", self.mask_steps)):
             value = stats.get(key, 0)
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])

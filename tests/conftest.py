@@ -44,6 +44,25 @@ def build_tokenizer(path: str) -> None:
                                     "{% if add_generation_prompt %}assistant:{% endif %}"}, f)
 
 
+SYMBOLS_CORPUS = ('{"name": "fox", "age": 3, "tags": ["quick", "brown"], "ok": true} the quick brown fox '
+                  'jumps over the lazy dog. yes no [1, 2.5, -3] null false ') * 4
+
+
+def build_symbols_tokenizer(path: str) -> None:
+    """A small BPE tokenizer, written over build_tokenizer's tokenizer.json, that can spell any
+    printable ASCII text (JSON included) with ids below VOCAB, in Gemma's style: spaces as "▁"
+    pieces and a decoder that llguidance reads (it cannot read a Metaspace decoder)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    alphabet = [chr(c) for c in range(33, 127)] + ["\u2581"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator([SYMBOLS_CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
 def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
     """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, gemma3) with a tokenizer;
     `overrides` replace config fields (vocab_size, max_position_embeddings, ...)."""
@@ -97,6 +116,14 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints):
     return checkpoints("llama")
+
+
+@pytest.fixture(scope="session")
+def symbols_llama_dir(tmp_path_factory):
+    """The tiny Llama with a tokenizer that spells JSON (structured-output tests)."""
+    path = build_checkpoint(str(tmp_path_factory.mktemp("llama-symbols")), "llama")
+    build_symbols_tokenizer(path)
+    return path
 
 
 @pytest.fixture(scope="session")
