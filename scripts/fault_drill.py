@@ -77,6 +77,7 @@ async def kill_drill(args, rows: list[dict]) -> None:
             streams = await start_streams(client, args.streams, args.kill_tokens, args.start_timeout)
             early = sum(s.ended is not None for s in streams)
             engine = server.engine_pid()
+            load = os.getloadavg()[0]
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
             print(f"[kill] kill -9 {engine} under {args.streams} streams ({early} had already ended)", flush=True)
@@ -107,6 +108,7 @@ async def kill_drill(args, rows: list[dict]) -> None:
             if "starting a new engine process" in output else []
     finally:
         code = server.close()
+    figure(rows, "kill", "load average (1 min) at the kill", f"{load:.1f}", "", None)
     figure(rows, "kill", "streams in flight at the kill", f"{args.streams - early} of {args.streams}", "",
            None)
     figure(rows, "kill", "max time from kill -9 to a stream's end",
@@ -138,6 +140,7 @@ async def sigterm_drill(args, rows: list[dict]) -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(600)) as client:
             streams = await start_streams(client, args.streams, args.drain_tokens, args.start_timeout)
             in_flight = sum(s.ended is None for s in streams)
+            load = os.getloadavg()[0]
             server.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             print(f"[sigterm] SIGTERM with {in_flight} streams in flight", flush=True)
@@ -170,6 +173,7 @@ async def sigterm_drill(args, rows: list[dict]) -> None:
     complete = sum(s.outcome == "done" and not s.errors() and s.finish_reasons()[-1:] == ["length"]
                    and s.completion_tokens() == args.drain_tokens for s in streams)
     last_end = max((s.ended for s in streams if s.ended), default=signalled) - signalled
+    figure(rows, "sigterm", "load average (1 min) at SIGTERM", f"{load:.1f}", "", None)
     figure(rows, "sigterm", "requests in flight at SIGTERM", f"{in_flight} of {args.streams}", str(args.streams),
            in_flight == args.streams)
     figure(rows, "sigterm", f"completed ({args.drain_tokens} tokens, finish_reason length, no error)",
@@ -203,6 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="fault-drill-")
+    os.makedirs(args.log_dir, exist_ok=True)
     drills = {"kill": kill_drill, "sigterm": sigterm_drill}
     chosen = args.drills.split(",")
     if not chosen or any(d not in drills for d in chosen):

@@ -233,13 +233,14 @@ class Sample:
     pages_used: float
     pages_cached: float
     engine_pid: int | None
+    load: float  # the machine's 1-minute load average
 
 
 async def sample(client: httpx.AsyncClient, api_pid: int, t: float) -> Sample:
     m = parse_metrics((await client.get("/metrics")).text)
     eng = engine_pid(api_pid)
     return Sample(t, rss_mib(api_pid), rss_mib(eng), open_fds(api_pid), open_fds(eng),
-                  m.get("jaxserve_kv_pages_used", float("nan")), m.get("jaxserve_kv_pages_cached", float("nan")), eng)
+                  m.get("jaxserve_kv_pages_used", float("nan")), m.get("jaxserve_kv_pages_cached", float("nan")), eng, os.getloadavg()[0])
 
 
 def row(records: list[Record], lo: float, hi: float, s: Sample, t0: float, label) -> dict:
@@ -249,21 +250,21 @@ def row(records: list[Record], lo: float, hi: float, s: Sample, t0: float, label
     return {"minute": label, "requests": len(ended), **count, "p50_s": percentile(lat, 50),
             "p99_s": percentile(lat, 99), "api_rss_mib": s.api_rss, "engine_rss_mib": s.engine_rss,
             "api_fds": s.api_fds, "engine_fds": s.engine_fds, "kv_pages_used": s.pages_used,
-            "kv_pages_cached": s.pages_cached, "engine_pid": s.engine_pid}
+            "kv_pages_cached": s.pages_cached, "load": s.load, "engine_pid": s.engine_pid}
 
 
 COLUMNS = [("minute", "min"), ("requests", "requests"), ("ok", "ok"), ("cancelled", "cancelled"),
            ("invalid", "4xx as expected"), ("rejected", "429"), ("unexpected", "unexpected"), ("p50_s", "p50 s"),
            ("p99_s", "p99 s"), ("api_rss_mib", "API RSS MiB"), ("engine_rss_mib", "engine RSS MiB"),
            ("api_fds", "API fds"), ("engine_fds", "engine fds"), ("kv_pages_used", "KV pages used"),
-           ("kv_pages_cached", "KV pages cached")]
+           ("kv_pages_cached", "KV pages cached"), ("load", "load avg")]
 
 
 def table(rows: list[dict]) -> str:
     def cell(key, v):
         if not isinstance(v, float):
             return str(v)
-        return "nan" if v != v else f"{v:.3f}" if key.endswith("_s") else f"{v:.1f}" if "rss" in key else f"{v:.0f}"
+        return "nan" if v != v else f"{v:.3f}" if key.endswith("_s") else f"{v:.1f}" if "rss" in key or key == "load" else f"{v:.0f}"
     lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(k, r[k]) for k, _ in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
