@@ -2,6 +2,7 @@
 preemption, no leaked pages, no recompiles, streaming, abort, stop strings and bad input."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -276,6 +277,62 @@ def test_a_step_that_consumed_the_kv_pool_leaves_no_stale_kv_behind(llama_dir, e
     assert [small.output(i).token_ids for i in (bystander, later)] == [o.token_ids for o in reference]
     assert [small.output(i).finish_reason for i in (bystander, later)] == ["length", "length"]
     for i in (failing, bystander, later):
+        small.release(i)
+    assert_idle(small)
+
+
+FAULT_REPS = int(os.environ.get("JAXSERVE_FAULT_REPS", "3"))  # issue 26's target runs it 100 times
+
+
+@pytest.fixture(scope="module")
+def own_pool_engine(llama_dir, engine):
+    return Engine.from_pretrained(llama_dir, engine.config)  # its own pool: the module's stays whole
+
+
+@pytest.mark.parametrize("seed", range(FAULT_REPS))
+def test_no_stale_kv_after_a_failure_at_a_random_point(own_pool_engine, engine, monkeypatch, seed):
+    """Cached prefixes, then a random mix of requests, some on them; the forward that consumes the
+    pool fails at a random step. The requests of that step end with `error`; every other one, and
+    every one queued after, gets a fresh engine's greedy tokens."""
+    rng = np.random.default_rng(seed)
+    small = own_pool_engine.with_strategy("paged", max_num_batched_tokens=16)
+    prefixes = [rng.integers(3, 150, 8 * int(rng.integers(1, 4))).tolist() for _ in range(3)]
+    small.generate([p + [100] for p in prefixes], GREEDY)  # leaves them in the prefix cache
+
+    def prompt() -> list[int]:
+        shared = prefixes[int(rng.integers(3))] if rng.random() < 0.7 else []
+        return shared + rng.integers(3, 150, int(rng.integers(1, 12))).tolist()
+    work = {small.add_request(q, GREEDY): q for q in (prompt() for _ in range(int(rng.integers(2, 7))))}
+    runner, real_executable, calls, failed = small.runner, small.runner._executable, [], []
+    fail_at = int(rng.integers(0, 10))  # every mix runs at least 12 forward steps
+
+    def executable(key):
+        program = real_executable(key)
+        if key[0] != "forward" or failed:
+            return program
+
+        def run(state, pool, *args):
+            calls.append(key)
+            result = program(state, pool, *args)
+            if len(calls) > fail_at:
+                failed.append(all(x.is_deleted() for x in pool))
+                raise RuntimeError("device fell over after the pool was donated")
+            return result
+        return run
+    monkeypatch.setattr(runner, "_executable", executable)
+    errors = None
+    while small.has_unfinished():
+        finished = small.step()
+        if failed and errors is None:
+            errors = {r.request_id for r in finished}
+            work |= {small.add_request(q, GREEDY): q for q in (prompt() for _ in range(3))}  # on the old cache
+    assert failed == [True] and errors  # it failed once, after the donation, and ended its step's requests
+    ends = {i: small.output(i) for i in work}
+    assert {i for i, o in ends.items() if o.finish_reason == "error"} == errors
+    rest = [i for i in work if i not in errors]
+    reference = engine.with_strategy("paged").generate([work[i] for i in rest], GREEDY)
+    assert [ends[i].token_ids for i in rest] == [o.token_ids for o in reference]
+    for i in work:
         small.release(i)
     assert_idle(small)
 
