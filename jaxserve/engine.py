@@ -38,6 +38,7 @@ from jaxserve.errors import QueueFullError
 from jaxserve.kv_pool import pages_in_budget
 from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import select_backend
@@ -88,7 +89,7 @@ class Engine:
             runner, self.kv_budget_reason = self._build_runner(weights)
         else:
             self.kv_budget_reason = "the pool of the engine it was made from"
-            _check_pool_fits(config, runner.config.num_pages, self.max_model_len)
+            _check_pool_fits(config, runner.config.num_pages, self.max_model_len, runner.kv_groups.num_groups)
         self.runner = runner
         self._reset_scheduler()
 
@@ -101,7 +102,7 @@ class Engine:
         num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
-        _check_pool_fits(config, num_pages, self.max_model_len)
+        _check_pool_fits(config, num_pages, self.max_model_len, kv_groups(model_config).num_groups)
         runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=self.max_model_len, attention_backend=self.backend,
@@ -117,12 +118,14 @@ class Engine:
         if budget > self.runner.config.max_num_batched_tokens:
             raise ValueError(f"a step of {budget} tokens exceeds the compiled steps' "
                              f"{self.runner.config.max_num_batched_tokens}: build a new engine for this budget")
-        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size, config.enable_prefix_caching)
+        windows = self.runner.kv_groups.windows
+        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size, config.enable_prefix_caching,
+                                   num_groups=len(windows))
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
                             max_num_batched_tokens=budget,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            eos_token_ids=self.model_config.eos_token_ids),
+                            eos_token_ids=self.model_config.eos_token_ids, kv_group_windows=windows),
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000))
@@ -439,9 +442,10 @@ _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_
                   "dtype", "kv_cache_dtype", "attention_backend", "mesh"}
 
 
-def _check_pool_fits(config: EngineConfig, num_pages: int, max_model_len: int) -> None:
-    """The continuous strategy reserves a whole context per sequence: the pool must hold one."""
-    pages_per_seq = pages_for(max_model_len, config.page_size)
+def _check_pool_fits(config: EngineConfig, num_pages: int, max_model_len: int, num_groups: int) -> None:
+    """The continuous strategy reserves a whole context per sequence (in every KV-cache group):
+    the pool must hold one."""
+    pages_per_seq = pages_for(max_model_len, config.page_size) * num_groups
     if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
         raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
                          f"({pages_per_seq} pages) for the continuous strategy")

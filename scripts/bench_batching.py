@@ -55,8 +55,10 @@ def held_tokens(running, page_size: int) -> int:
     """Tokens held in the pool by the running requests, a page shared by several counted once."""
     filled: dict[int, int] = {}
     for r in running:
-        for i, page in enumerate(r.pages):
-            filled[page] = max(filled.get(page, 0), min(page_size, r.num_tokens - i * page_size), 0)
+        for table in r.pages:  # one per KV-cache group; 0: a page a sliding window dropped
+            for i, page in enumerate(table):
+                if page:
+                    filled[page] = max(filled.get(page, 0), min(page_size, r.num_tokens - i * page_size), 0)
     return sum(filled.values())
 
 

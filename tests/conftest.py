@@ -66,9 +66,9 @@ def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
         model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "gemma3":
         layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 1
-        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, sliding_window=8,
-                                  layer_types=layer_types, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
-                                  query_pre_attn_scalar=32, **overrides)
+        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8,
+                                     "layer_types": layer_types, "rope_theta": 1_000_000.0,
+                                     "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 32, **overrides})
         model = tf.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
