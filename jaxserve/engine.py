@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutput, SamplingParams, Scheduler,
                                SchedulerConfig, make_policy)
-from jaxserve.batching.block_manager import pages_for
+from jaxserve.batching.kv_cache_manager import pages_per_sequence
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
 from jaxserve.errors import QueueFullError
@@ -80,21 +80,21 @@ class Engine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
-        if self.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
+        if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
         self.backend = select_backend(config.attention_backend)
         if runner is None:
-            runner, self.kv_budget_reason = self._build_runner(weights)
+            runner, self.kv_budget_reason, self.max_model_len_reason = self._build_runner(weights)
         else:
-            self.kv_budget_reason = "the pool of the engine it was made from"
-            _check_pool_fits(config, runner.config.num_pages, self.max_model_len, runner.kv_groups.num_groups)
+            self.kv_budget_reason = self.max_model_len_reason = "the engine it was made from"
         self.runner = runner
+        self.max_model_len = runner.config.max_model_len
         self._reset_scheduler()
 
-    def _build_runner(self, weights) -> tuple[Runner, str]:
-        """The model on the device, then a KV pool in the memory it leaves, and their runner."""
+    def _build_runner(self, weights) -> tuple[Runner, str, str]:
+        """The model on the device, then a KV pool in the memory it leaves, and their runner; with
+        why the pool has its size and max_model_len its value."""
         config, model_config = self.config, self.model_config
         model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
         kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
@@ -102,14 +102,15 @@ class Engine:
         num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
-        _check_pool_fits(config, num_pages, self.max_model_len, kv_groups(model_config).num_groups)
+        max_model_len, why = _resolve_max_model_len(config, model_config, num_pages)
+        log.info("max_model_len %d (%s)", max_model_len, why)
         runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
-            max_model_len=self.max_model_len, attention_backend=self.backend,
-            max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS,
+            max_model_len=max_model_len, attention_backend=self.backend,
+            max_num_batched_tokens=config.step_token_budget(max_model_len), num_logprobs=MAX_LOGPROBS,
             kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled")),
             mesh=make_mesh(config.mesh) if config.mesh else None)
-        return runner, reason
+        return runner, reason, why
 
     def _reset_scheduler(self) -> None:
         """A fresh block manager and scheduler for `self.config` over the runner's pool."""
@@ -178,10 +179,7 @@ class Engine:
             f"weights {config.weights_dtype} ({why}); KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
             f"({'num_pages asked for' if config.num_pages else self.kv_budget_reason}); "
-            f"max_model_len {self.max_model_len}" + (
-                f" (the model's {self.model_config.max_position_embeddings}, capped; --max-model-len for more)"
-                if config.max_model_len is None and self.max_model_len < self.model_config.max_position_embeddings
-                else ""),
+            f"max_model_len {self.max_model_len} ({self.max_model_len_reason})",
             f"{len(runner.all_programs())} step programs: the layers per token bucket ({len(buckets.token_sizes)}, "
             f"up to {buckets.max_tokens} tokens), the output layer and sampling per row bucket "
             f"({len(buckets.row_sizes)}, up to {buckets.max_rows} sequences), from {buckets.min_rows} "
@@ -442,13 +440,33 @@ _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_
                   "dtype", "kv_cache_dtype", "attention_backend", "mesh"}
 
 
-def _check_pool_fits(config: EngineConfig, num_pages: int, max_model_len: int, num_groups: int) -> None:
-    """The continuous strategy reserves a whole context per sequence (in every KV-cache group):
-    the pool must hold one."""
-    pages_per_seq = pages_for(max_model_len, config.page_size) * num_groups
-    if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
-        raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
-                         f"({pages_per_seq} pages) for the continuous strategy")
+def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:
+    """(max_model_len, why): as asked, if the pool holds one sequence of it (else ValueError);
+    by default the model's context if the pool holds one, else the longest sequence it holds."""
+    windows, context, usable = kv_groups(model_config).windows, model_config.max_position_embeddings, num_pages - 1
+
+    def pages(length: int) -> int:
+        return pages_per_sequence(windows, config.page_size, length, config.step_token_budget(length))
+
+    def longest() -> int:  # pages() grows with the length
+        lo, hi = 0, context
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pages(mid) <= usable else (lo, mid - 1)
+        return lo
+    if config.max_model_len is not None:
+        if pages(config.max_model_len) > usable:
+            raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool: one sequence of "
+                             f"{config.max_model_len} tokens needs {pages(config.max_model_len)} pages, the pool "
+                             f"has {usable}, which hold at most {longest()} tokens")
+        return config.max_model_len, "asked for"
+    if pages(context) <= usable:
+        return context, "the model's context"
+    length = longest()
+    if length < 2:
+        raise ValueError(f"the KV pool ({usable} pages) cannot hold a sequence of 2 tokens")
+    return length, (f"the longest sequence the KV pool holds: the model's context of {context} tokens "
+                    f"needs {pages(context)} pages, the pool has {usable}")
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -33,6 +33,13 @@ def first_in_window(window: int | None, position: int, page_size: int) -> int:
     return 0 if window is None else max(0, position - window + 1) // page_size
 
 
+def pages_per_sequence(windows: Sequence[int | None], page_size: int, length: int, step_tokens: int) -> int:
+    """The most pages one sequence of `length` tokens holds at once, over all groups: a full group
+    every page, a sliding group at most its window, a step's tokens and a partial page at each end."""
+    full = pages_for(length, page_size)
+    return sum(full if w is None else min(full, pages_for(w - 1 + step_tokens, page_size) + 1) for w in windows)
+
+
 class KVCacheManager:
     """Block tables per KV-cache group: `windows[g]` is group g's sliding window (None: full)."""
 
