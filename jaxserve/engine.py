@@ -186,6 +186,7 @@ class Engine:
             f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if buckets.min_rows > 1 else ''}",
             f"async scheduling {'on' if config.overlaps_steps else 'off'}"
             f"{'' if config.async_scheduling is not None else ' (auto: on for accelerators only)'}",
+            _describe_groups(runner.kv_groups),
         ])
 
     @classmethod
@@ -416,6 +417,13 @@ class Engine:
         if self.idle and self.scheduler.waiting:
             time.sleep(0.0005)  # a dynamic batch is still filling: wait for its delay
 
+    def kv_group_pages(self) -> list[dict]:
+        """Per KV-cache group: its sliding window (None: full attention), and the pages its
+        sequences read (used) and keep for the prefix cache (cached). Free pages belong to none."""
+        return [{"window": window, "used_pages": used, "cached_pages": cached}
+                for window, (used, cached) in zip(self.runner.kv_groups.windows,
+                                                  map(self.blocks.group_pages, range(self.blocks.num_groups)))]
+
     def stats(self) -> dict:
         return {
             "running": len(self.scheduler.running),
@@ -424,6 +432,7 @@ class Engine:
             "cached_pages": self.blocks.cached_pages,  # unreferenced, holding a prefix-cache page
             "used_pages": self.blocks.used_pages,  # read by running requests
             "total_pages": self.blocks.total_pages,
+            "kv_groups": self.kv_group_pages(),
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,  # prompt tokens looked up
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,  # of those, found in the cache
             "num_compiles": self.runner.num_compiles,
@@ -438,6 +447,13 @@ class Engine:
 # What the runner's programs and pool are built from: an engine over another's runner keeps them.
 _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_model_len",
                   "dtype", "kv_cache_dtype", "attention_backend", "mesh"}
+
+
+def _describe_groups(groups) -> str:
+    """One line, e.g. `KV-cache groups: 1 full attention, 5 sliding (window 512); 3 layers per page`."""
+    kinds = collections.Counter(groups.windows)
+    parts = [f"{n} full attention" if w is None else f"{n} sliding (window {w})" for w, n in kinds.items()]
+    return f"KV-cache groups: {', '.join(parts)}; {groups.layers_per_page} layers per page"
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:

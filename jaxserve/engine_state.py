@@ -66,7 +66,7 @@ def engine_state(engine, since: int | None = None) -> dict:
         "num_waiting": len(scheduler.waiting),
         "slots": slots,
         "waiting": waiting,
-        "pages": _pages(blocks, scheduler.running),
+        "pages": {**_pages(blocks, scheduler.running), "groups": _groups(engine)},
         "history": _history(engine, since),
         "stats": engine.stats(),
     }
@@ -110,6 +110,12 @@ def _page_map(blocks, running) -> dict:
     counts = np.diff(np.r_[starts, len(owner)])
     return {"shared": int((readers > 1).sum()), "cell": cell,
             "owners": np.stack([owner[starts], counts], axis=1).tolist()}
+
+
+def _groups(engine) -> list[dict]:
+    """Pages per KV-cache group (the free pages belong to none)."""
+    return [{"window": g["window"], "used": g["used_pages"], "cached": g["cached_pages"]}
+            for g in engine.kv_group_pages()]
 
 
 def _held(request) -> list[int]:

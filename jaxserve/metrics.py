@@ -32,6 +32,8 @@ class Metrics:
         self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "KV pages in the pool (null page excluded)",
                                     registry=r)
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_percent", "KV pages in use, percent of the pool", registry=r)
+        self.kv_group_pages = Gauge("jaxserve_kv_group_pages", "KV pages of one KV-cache group (full attention or "
+                                    "a sliding window), used or cached", ["group", "window", "state"], registry=r)
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens accepted", registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
         self.preemptions = Counter("jaxserve_num_preemptions", "Sequences preempted for lack of KV pages",
@@ -69,6 +71,10 @@ class Metrics:
         self.kv_pages_cached.set(stats["cached_pages"])
         self.kv_pages_total.set(total)
         self.kv_usage.set(100.0 * used / total if total else 0.0)
+        for g, group in enumerate(stats.get("kv_groups", ())):
+            window = "full" if group["window"] is None else str(group["window"])
+            for state in ("used", "cached"):
+                self.kv_group_pages.labels(group=str(g), window=window, state=state).set(group[f"{state}_pages"])
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
                              ("prefix_cache_hits", self.prefix_cache_hits)):

@@ -45,7 +45,8 @@ def build_tokenizer(path: str) -> None:
 
 
 def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
-    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, gemma3) with a tokenizer."""
+    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, mistral, gemma2, gemma3) with a
+    tokenizer. Mistral, Gemma 2 and Gemma 3 have sliding windows of 8 tokens unless overridden."""
     import torch
     import transformers as tf
     torch.manual_seed(0)
@@ -64,6 +65,14 @@ def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "mistral":  # every layer windowed
+        cfg = tf.MistralConfig(**{**common, "rope_theta": 10000.0, "sliding_window": 8, **overrides})
+        model = tf.MistralForCausalLM(cfg)
+    elif kind == "gemma2":  # local and global layers alternate, soft caps on
+        cfg = tf.Gemma2Config(**{**common, "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 8,
+                                 "query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0,
+                                 "final_logit_softcapping": 30.0, **overrides})
+        model = tf.Gemma2ForCausalLM(cfg)
     elif kind == "gemma3":
         layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 1
         cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8,
@@ -75,7 +84,7 @@ def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
     with torch.no_grad():  # random norms, so "1 + w" conventions are actually exercised
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if kind == "gemma3" else 1.0))
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if kind.startswith("gemma") else 1.0))
     model.eval().save_pretrained(path)
     build_tokenizer(path)
     return path

@@ -323,6 +323,7 @@ def test_describe_says_what_start_up_resolved(llama_dir):
     config = EngineConfig(max_slots=4, page_size=8, num_pages=64, dtype="float32")
     lines = Engine(long, weights, tokenizer, config).describe().splitlines()
     assert lines[2].startswith("weights float32 (asked for)")
+    assert lines[-1] == "KV-cache groups: 1 full attention; 2 layers per page"
     assert lines[3].startswith("KV pool 64 pages of 8 tokens")
     assert lines[3].endswith("(num_pages asked for); max_model_len 504 (the longest sequence the KV pool holds: "
                              "the model's context of 4096 tokens needs 512 pages, the pool has 63)")

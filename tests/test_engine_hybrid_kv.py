@@ -1,7 +1,8 @@
-"""The hybrid KV allocator end to end, on a tiny Gemma 3 checkpoint whose sliding window (16
-tokens) is a fraction of its prompts (4-10x): Hugging Face's greedy tokens with prefix caching on
-and off, at token budgets of 8, 16 and 64, with steps overlapped, and under preemption; the
-sliding groups hold only their window; no page is leaked and nothing compiles after warm-up."""
+"""The hybrid KV allocator end to end, on tiny Gemma 3, Gemma 2 and Mistral checkpoints whose
+sliding window (16 tokens) is a fraction of their prompts (4-10x): Hugging Face's greedy tokens
+with prefix caching on and off, at token budgets of 8, 16 and 64, with steps overlapped, and under
+preemption; the sliding groups hold only their window; no page is leaked and nothing compiles
+after warm-up."""
 
 import numpy as np
 import pytest
@@ -26,7 +27,9 @@ def hybrid_prompts():
             for i, n in enumerate(lengths)]
 
 
-GROUPS = {"gemma3": (None, WINDOW, WINDOW)}  # 2 local layers, 1 global: a layer per page
+GROUPS = {"gemma3": (None, WINDOW, WINDOW),  # 2 local layers, 1 global: a layer per page
+          "gemma2": (None, WINDOW),  # 2 and 2: two layers per page
+          "mistral": (WINDOW,)}  # every layer local: one group
 
 
 @pytest.fixture(scope="module", params=sorted(GROUPS))
@@ -109,10 +112,37 @@ def test_a_sliding_group_holds_only_its_window(engine):
 
 def test_preemption_gives_the_same_tokens(path, kind, hf_tokens):
     # Room for one sequence of max_model_len (24 pages in a full group, 5 in a sliding one), not 4.
-    pages = {"gemma3": 40}[kind]
+    pages = {"gemma3": 40, "gemma2": 32, "mistral": 12}[kind]
     small = Engine.from_pretrained(path, CONFIG.replace(num_pages=pages, max_num_batched_tokens=16))
     outputs = small.generate(hybrid_prompts(), PARAMS)
     assert [o.token_ids for o in outputs] == hf_tokens
     assert small.stats()["num_preemptions"] > 0
     assert_idle(small)
 
+
+def test_stats_state_and_metrics_count_pages_per_group(engine):
+    from jaxserve.engine_state import engine_state
+    from jaxserve.metrics import Metrics
+    from jaxserve.openapi import EngineState
+    run = engine.with_strategy("paged", max_num_batched_tokens=16)
+    request_id = run.add_request(hybrid_prompts()[2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for _ in range(12):  # mid-prefill, past the window
+        run.step()
+    stats = run.stats()
+    groups = stats["kv_groups"]
+    assert [g["window"] for g in groups] == list(run.runner.kv_groups.windows)
+    assert sum(g["used_pages"] for g in groups) == stats["used_pages"] > 0
+    assert sum(g["cached_pages"] for g in groups) == stats["cached_pages"]
+    state = engine_state(run)
+    EngineState.model_validate(state)
+    assert state["pages"]["groups"] == [{"window": g["window"], "used": g["used_pages"], "cached": g["cached_pages"]}
+                                        for g in groups]
+    metrics = Metrics()
+    metrics.observe_engine(stats)
+    text = metrics.render().decode()
+    for i, g in enumerate(groups):
+        window = "full" if g["window"] is None else str(g["window"])
+        assert f'jaxserve_kv_group_pages{{group="{i}",state="used",window="{window}"}} {float(g["used_pages"])}' \
+            in text
+    run.abort(request_id)
+    assert_idle(run)
