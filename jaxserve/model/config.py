@@ -115,8 +115,8 @@ class ModelConfig:
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hidden // heads
-        # Mistral-style: one window for every layer (a Llama config may carry one too).
-        window = hf.get("sliding_window") if model_type in ("mistral", "llama") else None
+        # Mistral: one window for every layer. (Hugging Face's Llama ignores a `sliding_window` key.)
+        window = hf.get("sliding_window") if model_type == "mistral" else None
         if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
             raise ValueError("Qwen sliding-window attention (use_sliding_window=true) is not supported")
         layers = hf["num_hidden_layers"]
