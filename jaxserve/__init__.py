@@ -10,6 +10,7 @@ _EXPORTS = {
     "QueueFullError": "jaxserve.errors",
     "EngineConfig": "jaxserve.config",
     "SamplingParams": "jaxserve.batching.sampling_params",
+    "StructuredOutputs": "jaxserve.batching.structured_outputs",
     "RequestOutput": "jaxserve.batching.request",
 }
 __all__ = list(_EXPORTS)

@@ -47,6 +47,10 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: serving needs the server extras ({', '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} missing): "
                          "pip install 'jaxserve[server]'")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
+    if args.engine_restarts < 0:
+        raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
     from jaxserve.engine_client import EngineClient
     from jaxserve.engine_core import EngineFactory
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,7 +58,8 @@ def serve(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     # The engine process starts first, and imports jax and loads the model while this process
     # imports the web stack on another core.
-    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup))
+    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup),
+                                        restarts=args.engine_restarts)
     from jaxserve.server import run
     run(args, client, start)
 
@@ -82,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
                           "checkpoint converted without it)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM or SIGINT, how long requests in flight may take to finish before they are "
+                          "ended (new requests get 503 meanwhile; a second signal stops at once; default 30)")
+    srv.add_argument("--engine-restarts", type=int, default=3, metavar="N",
+                     help="when the engine process dies, start a new one (compiled steps from the cache) up to N "
+                          "times in 10 minutes; at the next death the server exits with an error, for a "
+                          "supervisor to take over (default 3; 0: no restart, the server stays up answering 503)")
     srv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:

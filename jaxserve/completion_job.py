@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from jaxserve.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
+from jaxserve.structured_requests import ToolCalls
 from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, first_stop, texts_after
 
 
@@ -34,6 +35,7 @@ class Choice:
         self.tokenizer, self.stop, self.include_stop, self.want_logprobs = tokenizer, stop, include_stop, logprobs
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.context = prompt_ids[-DECODE_CONTEXT:]  # for the text of alternative tokens
         self.text = ""  # all generated text (before stop strings are cut)
         self.num_tokens = 0
@@ -42,10 +44,13 @@ class Choice:
         self.logprobs: list[float | None] = []
         self.tops: list[list[tuple[str, float]]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with `error`, when the API process knows
         self.emitted = 0  # characters of output text already streamed
         self.emitted_tokens = 0
 
-    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None) -> None:
+    def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None,
+            num_cached_tokens: int, error: str | None = None) -> None:
+        self.num_cached_tokens = num_cached_tokens
         if not self.want_logprobs:  # the common case: one decode for the whole step
             if self.detok is not None and token_ids:
                 self.text += self.detok.add(token_ids)
@@ -62,7 +67,7 @@ class Choice:
                 self.text += piece
         self.num_tokens += len(token_ids)
         if finish_reason is not None:
-            self.finish_reason = finish_reason
+            self.finish_reason, self.error = finish_reason, error
 
     def _token_texts(self, tokens: list[int]) -> list[str]:
         """The text each of `tokens` would add after the recent context."""
@@ -112,6 +117,7 @@ class Payload:
     include_stop: bool = False
     request_id: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation: different salts never share pages
+    tool_calls: ToolCalls | None = None  # chat: the reply is constrained to tool calls; read them back
 
 
 class Job:
@@ -163,7 +169,7 @@ class Job:
             c = self.choices[d.index]
             if c.num_tokens == 0 and d.token_ids:
                 self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
-            c.add(d.token_ids, d.logprobs, d.finish_reason)
+            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens, d.error)
             touched.add(d.index)
         return touched
 
@@ -180,24 +186,41 @@ class Job:
         finally:
             gone.cancel()
             self.client.abort(self._unfinished())
-        if any(c.finish_reason == "error" for c in self.choices):
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            if failed.error is not None:  # the engine is gone or the server is stopping: not this request's fault
+                raise ApiError(503, failed.error, "server_error")
             raise ApiError(500, "the engine failed while generating this request", "server_error")
         out = []
         for i, c in enumerate(self.choices):
             if self.payload.chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": c.final_text},
+                message, finish = self._message(c)
+                out.append({"index": i, "message": message,
                             "logprobs": c.chat_logprobs(0, c.num_tokens) if self.payload.logprobs else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": finish})
             else:
                 out.append({"index": i, "text": self.echo[i] + c.final_text, "finish_reason": c.finish_reason,
                             "logprobs": c.completion_logprobs(0, c.num_tokens) if self.payload.logprobs else None})
         return {"id": self.id, "object": "chat.completion" if self.payload.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": self._usage()}
 
+    def _message(self, c: Choice) -> tuple[dict, str | None]:
+        """A chat choice's message and finish reason: its text, or its tool calls when the reply
+        was constrained to them (and is complete JSON)."""
+        calls = self.payload.tool_calls.parse(c.final_text) if self.payload.tool_calls is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": c.final_text}, c.finish_reason
+        return ({"role": "assistant", "content": None, "tool_calls": calls},
+                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+
     def _usage(self) -> dict:
-        prompt = sum(c.num_prompt_tokens for c in self.choices[:: self.payload.n])
+        # A prompt counts once however many choices (n) it has: its first copy's tokens, and the
+        # share of them its first copy found in the prefix cache.
+        firsts = self.choices[:: self.payload.n]
+        prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
     def _chunk(self, choices: list[dict], usage: dict | None, with_usage: bool) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.payload.chat else "text_completion",
@@ -208,6 +231,8 @@ class Job:
 
     def _choice_chunk(self, index: int) -> dict | None:
         c = self.choices[index]
+        if self.payload.tool_calls is not None:
+            return self._tool_calls_chunk(index)
         text, start, end = c.new_text(), c.emitted_tokens, c.num_tokens
         c.emitted_tokens = end
         if not text and start == end and c.finish_reason is None:
@@ -218,6 +243,18 @@ class Job:
                     "finish_reason": c.finish_reason}
         logprobs = c.completion_logprobs(start, end, len(self.echo[index])) if self.payload.logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def _tool_calls_chunk(self, index: int) -> dict | None:
+        """A streamed reply constrained to tool calls: held back, then its calls in one delta."""
+        c = self.choices[index]
+        if c.finish_reason is None:
+            return None
+        message, finish = self._message(c)
+        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
+                 if "tool_calls" in message else {"content": message["content"]})
+        start, c.emitted_tokens = c.emitted_tokens, c.num_tokens
+        logprobs = c.chat_logprobs(start, c.num_tokens) if self.payload.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def _events(self, include_usage: bool, continuous: bool):
         try:
@@ -238,7 +275,8 @@ class Job:
                 events = []
                 for index in sorted(touched):
                     if self.choices[index].finish_reason == "error":
-                        events.append(f"data: {json.dumps(error_body('the engine failed while generating', 'server_error'))}\n\n")
+                        why = self.choices[index].error or "the engine failed while generating"
+                        events.append(f"data: {json.dumps(error_body(why, 'server_error'))}\n\n")
                         continue
                     choice = self._choice_chunk(index)
                     if choice is not None:
@@ -288,13 +326,16 @@ def _first_of_each(top: list[tuple[str, float]]) -> dict[str, float]:
 
 
 _PARAMS = {"prompt", "max_tokens", "stop", "stop_token_ids", "seed", "temperature", "top_p", "top_k", "min_p",
-           "logprobs"}
+           "logprobs", "structured_outputs", "response_format", "tools"}
 
 
 def param_of(message: str) -> str | None:
-    """The request field an engine or SamplingParams ValueError names (its messages start with it)."""
+    """The request field an engine or SamplingParams ValueError names (its messages start with it;
+    a constraint's field is a dotted path, e.g. response_format.json_schema.schema)."""
     words = message.replace(":", " ").split()
     if len(words) > 1 and words[0] == "prompt" and words[1].isdigit():  # "prompt 2: ..." of a list
         words = words[2:]
     first = words[0] if words else ""
-    return first if first in _PARAMS else "prompt" if "prompt" in message else None
+    if first.split(".")[0].split("[")[0] in _PARAMS:
+        return first
+    return "prompt" if "prompt" in message else None

@@ -8,6 +8,11 @@
     With async scheduling the host schedules and dispatches step N+1 while the device runs step N;
     a token is pending (sampled, still on the device) for one step, and a request that stops on
     EOS or a stop token may compute one token too many, which is dropped.
+    Structured output: before dispatch, the host fills the token bitmask of each constrained row
+    that samples (GrammarMatchers.fill); once its token is on the host, the request's matcher
+    consumes it, and a completed grammar ends the request. Its next mask needs that token, so a
+    step that samples a constrained row is collected before the next one is scheduled (steps run
+    in order while constrained rows sample; the others keep the overlap).
     finished Request -> RequestOutput (text decoded once, stop strings applied while streaming)
 
 The engine is single-threaded: `generate` and `stream` drive `step` themselves; the server drives
@@ -45,6 +50,7 @@ from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
 from jaxserve.step_batch import ScheduledSeq, build_step
+from jaxserve.structured_output import GrammarMatchers
 from jaxserve.sharding import canonical_sharding_for, make_mesh
 from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, Tokenizer, decode_after, first_stop
 
@@ -133,6 +139,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}  # requests with stop strings
         self._stop_cut: dict[str, int] = {}  # where a stop string cut the text
+        self._grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size,
+                                         self.model_config.eos_token_ids)  # structured output
         self.idle = True  # the last step had nothing to run
         self._in_flight = None  # the dispatched step whose tokens are not on the host yet
         self._seeds = random.Random(config.seed)
@@ -165,6 +173,11 @@ class Engine:
         with tqdm(total=len(self.runner.all_programs()), desc="compiling step programs", unit="program",
                   leave=False) as bar:
             return self.runner.warmup(lambda done, total: bar.update(1))
+
+    def prepare_structured_output(self) -> None:
+        """Builds llguidance's view of the tokenizer in a background thread (seconds for a large
+        vocabulary), so that the first constrained request does not wait for it."""
+        self._grammars.prepare()
 
     def describe(self) -> str:
         """What start-up resolved, one line each: backend, dtypes and why, KV pages, shapes."""
@@ -218,6 +231,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         request = Request(request_id, token_ids, params, seed, arrival_time or time.monotonic(),
                           group=next(self._groups) if group is None else group, cache_salt=cache_salt)
+        if params.structured_outputs is not None:  # compiled now: a grammar that fails queues nothing
+            self._grammars.add(request_id, params.structured_outputs)
         self._requests[request_id] = request
         if params.stop:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -256,8 +271,10 @@ class Engine:
         return token_ids
 
     def abort(self, request_id: str) -> None:
-        """Ends a request with finish reason `abort` and frees its pages (no-op if already done)."""
+        """Ends a request with finish reason `abort` and frees its pages and grammar matcher
+        (no-op if already done)."""
         self.scheduler.abort(request_id)
+        self._grammars.remove(request_id)
 
     # ---- running ----
 
@@ -274,7 +291,8 @@ class Engine:
             if self._in_flight is not None:
                 finished += self._collect(*self._in_flight)
             self._in_flight = launched
-            if launched is not None and not self.config.overlaps_steps:
+            # A constrained row's next mask needs the token it just sampled: collect it now.
+            if launched is not None and (not self.config.overlaps_steps or launched[3]):
                 self._in_flight = None
                 finished += self._collect(*launched)
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
@@ -301,11 +319,16 @@ class Engine:
         table = self.scheduler.table
         batch = build_step(seqs, table.block_tables, SamplingBatch.from_table(table), self.config.page_size,
                            self.runner.buckets, self.runner.replicas)
+        constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)
+                       if r in schedule.sampling and r.request_id in self._grammars]
+        if constrained:
+            batch.allowed = self._grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
+                                                len(batch.sample_slots))
         want_logprobs = any(r.params.logprobs is not None for r in schedule.sampling)
         in_flight = self.runner.dispatch(batch, logprobs=want_logprobs)
         self.scheduler.advance(schedule)
         self._record(schedule)
-        return schedule, batch.rows, in_flight
+        return schedule, batch.rows, in_flight, constrained
 
     def _record(self, schedule) -> None:
         decodes = sum(1 for n in schedule.num_tokens.values() if n == 1)
@@ -314,11 +337,39 @@ class Engine:
         self.history.append(StepRecord(time.time(), total, decodes, total - decodes, len(self.scheduler.running),
                                        len(self.scheduler.waiting), self.blocks.used_pages, self.blocks.cached_pages))
 
-    def _collect(self, schedule, rows, in_flight) -> list[Request]:
-        """Brings a dispatched step's tokens to the host and commits them."""
+    def _collect(self, schedule, rows, in_flight, constrained=()) -> list[Request]:
+        """Brings a dispatched step's tokens to the host and commits them; the constrained
+        requests' matchers consume theirs."""
         out = self.runner.collect(in_flight)
         requests = list(schedule.num_tokens)
-        return self.scheduler.commit(schedule, out.tokens[rows], _logprob_dicts(out.logprobs, rows, requests))
+        tokens = out.tokens[rows]
+        live = [(i, r) for i, r in constrained if not r.finished]  # not aborted meanwhile
+        finished = self.scheduler.commit(schedule, tokens, _logprob_dicts(out.logprobs, rows, requests))
+        for i, request in live:
+            if self._advance_grammar(request, int(tokens[i])):
+                finished.append(request)
+        return finished
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feeds a constrained request's sampled token to its matcher; ends the request when the
+        grammar is complete (`stop`, also where the token reached max_tokens) or refuses the token
+        (`error`). Returns whether it ended here."""
+        request_id = request.request_id
+        if not self._grammars.consume(request_id, token):
+            log.error("request %s: the grammar refused token %d: %s", request_id, token,
+                      self._grammars.error(request_id))
+            if request.finished:
+                return False
+            self.scheduler.finish(request, FinishReason.ERROR)
+            return True
+        if not self._grammars.done(request_id):
+            return False
+        if request.finished:  # by EOS (already `stop`), or max_tokens on the token that completed it
+            if request.finish_reason is FinishReason.LENGTH:
+                request.finish_reason = FinishReason.STOP
+            return False
+        self.scheduler.finish(request, FinishReason.STOP)
+        return True
 
     def _apply_stop_strings(self) -> list[Request]:
         """Detokenizes the requests that have stop strings (only those: no per-slot work for the
@@ -368,6 +419,7 @@ class Engine:
     def release(self, request_id: str) -> None:
         """Forgets a finished request."""
         self._requests.pop(request_id, None)
+        self._grammars.remove(request_id)
         self._detok.pop(request_id, None)
         self._stop_cut.pop(request_id, None)
 
@@ -382,7 +434,15 @@ class Engine:
         # Validate (and tokenize) all before queueing any.
         token_lists = [self._validate(prompt, p or SamplingParams()) for prompt, p in zip(prompts, params_list)]
         group = next(self._groups)
-        ids = [self.add_request(tokens, p, group=group, cache_salt=cache_salt) for tokens, p in zip(token_lists, params_list)]
+        ids: list[str] = []
+        try:
+            for tokens, p in zip(token_lists, params_list):
+                ids.append(self.add_request(tokens, p, group=group, cache_salt=cache_salt))
+        except Exception:  # e.g. a grammar that only fails against the tokenizer: queue none of them
+            for i in ids:
+                self.abort(i)
+                self.release(i)
+            raise
         self.run_until(lambda: all(self._requests[i].finished for i in ids))
         outputs = [self.output(i) for i in ids]
         for i in ids:
@@ -441,6 +501,8 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_errors": self.num_errors,
             "num_steps": self.num_steps,
+            "structured_output_mask_seconds": self._grammars.fill_seconds,  # host time filling token masks
+            "structured_output_mask_steps": self._grammars.fill_steps,  # steps that filled one
         }
 
 

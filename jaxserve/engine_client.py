@@ -8,12 +8,15 @@ starts fresh there) and waits until it is ready; `start_process` then `wait_read
 two halves, so that the server can answer (503, with `startup`'s progress) while it starts; `EngineClient.in_thread(engine)` runs the same loop in a thread over an
 engine already built (tests, stand-in engines). One receiver thread reads the core's one message
 per step and hands each subscriber's deltas to its event loop in one wake-up per step; it also
-updates the metrics and notices when the core dies, which ends every request with `error`.
+updates the metrics and notices when the core dies, which ends every request with `error`. A
+process started with `restarts` is then replaced by a new one (its steps load from the compile
+cache), up to that many times in RESTART_WINDOW_S; one death more and the client gives up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -34,6 +37,8 @@ from jaxserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+RESTART_WINDOW_S = 600.0  # `restarts` counts the engine's restarts over the last ten minutes
+
 
 @dataclasses.dataclass
 class Delta:
@@ -43,6 +48,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[dict] | None  # {"logprob": float, "top": [(token_id, logprob), ...]} per token
     finish_reason: str | None
+    num_cached_tokens: int = 0  # of the request's prompt, served from the prefix cache
+    error: str | None = None  # why it ended with `error`, when this process decided it (the engine gone, a shutdown)
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,9 +83,15 @@ class EngineClient:
         self._keys = itertools.count()
         self._core_alive: Callable[[], bool] = lambda: False
         self._join: Callable[[float], None] = lambda timeout: None
+        self._terminate: Callable[[], None] = lambda: None
         self._receiver: threading.Thread | None = None
         self._closing = False
         self._stopping = False  # stop() asked the core to end: its end is no death
+        self._factory: Callable[[], Any] | None = None  # what a restart builds again
+        self._restarts = 0  # restarts allowed within RESTART_WINDOW_S
+        self._restart_times: collections.deque[float] = collections.deque()
+        self.restarting = False
+        self.on_give_up: Callable[[str], None] = lambda why: None  # called (receiver thread) once no restart is left
 
     # ---- starting and stopping ----
 
@@ -92,17 +105,25 @@ class EngineClient:
         return client
 
     @classmethod
-    def start_process(cls, factory: Callable[[], Any], metrics: Metrics | None = None) -> "EngineClient":
-        """Starts the engine process and returns at once; `wait_ready` then waits for the engine."""
+    def start_process(cls, factory: Callable[[], Any], metrics: Metrics | None = None,
+                      restarts: int = 0) -> "EngineClient":
+        """Starts the engine process and returns at once; `wait_ready` then waits for the engine.
+        Once ready, a dead engine process is replaced by a new one up to `restarts` times within
+        RESTART_WINDOW_S; at the next death `on_give_up(why)` is called (0: no restart, no giving up)."""
         client = cls(metrics)
+        client._factory, client._restarts = factory, restarts
+        client._launch()
+        return client
+
+    def _launch(self) -> None:
         process = multiprocessing.get_context("spawn").Process(
             target=engine_core.run_process, name="jaxserve-engine", daemon=True,
-            args=(factory, *client._addrs, logging.getLogger().getEffectiveLevel(), os.getpid()))
+            args=(self._factory, *self._addrs, logging.getLogger().getEffectiveLevel(), os.getpid()))
         process.start()
-        client._core_alive = process.is_alive
-        client._join = process.join
-        client._exit_reason = lambda: f"the engine process exited with code {process.exitcode}"
-        return client
+        self._core_alive = process.is_alive
+        self._join = process.join
+        self._terminate = process.terminate
+        self._exit_reason = lambda: f"the engine process exited with code {process.exitcode}"
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Waits for the engine started by `start_process`, keeping its progress in `startup`."""
@@ -128,37 +149,47 @@ class EngineClient:
         return client
 
     def _start(self, timeout: float | None, exit_reason: Callable[[], str]) -> None:
+        try:
+            self._await_ready(timeout, exit_reason)
+        except (RuntimeError, TimeoutError):
+            self.close()
+            raise
+        self._exit_reason = exit_reason
+        self._receiver = threading.Thread(target=self._receive, name="jaxserve-receiver", daemon=True)
+        self._receiver.start()
+
+    def _await_ready(self, timeout: float | None, exit_reason: Callable[[], str]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while not self._outputs.poll(200):
+                if self._closing or self._stopping:
+                    raise RuntimeError("the engine did not start: stopped meanwhile")
                 if not self._core_alive():
-                    self.close()
                     raise RuntimeError(f"the engine did not start: {exit_reason()}")
                 if deadline is not None and time.monotonic() > deadline:
-                    self.close()
                     raise TimeoutError(f"the engine did not start within {timeout} s")
             kind, payload = pickle.loads(self._outputs.recv())
             if kind == "info":  # before the warm-up; "ready" then carries none
-                self.info = payload
-                if payload.tokenizer is not None:  # read here, while the engine warms up
-                    payload.tokenizer.load()
+                if self.info is None:  # a restarted engine is the same model: its tokenizer is read
+                    self.info = payload
+                    if payload.tokenizer is not None:  # read here, while the engine warms up
+                        payload.tokenizer.load()
             elif kind != "progress":
                 break
             else:
                 self.startup = payload
         if kind != "ready":
-            self.close()
             raise RuntimeError(f"the engine did not start: {payload}")
-        self.info = payload or self.info
-        self._exit_reason = exit_reason
-        self._receiver = threading.Thread(target=self._receive, name="jaxserve-receiver", daemon=True)
-        self._receiver.start()
+        self.info = self.info or payload
 
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts every request, ends the core and closes the channel."""
         if self._core_alive():
             self._stopping = True
-            self._send(("stop",))
+            if self._receiver is None or self.restarting:  # still starting: it reads no command before it is ready
+                self._terminate()
+            else:
+                self._send(("stop",))
             self._join(timeout)
         self.close()
 
@@ -206,6 +237,11 @@ class EngineClient:
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return ids, deltas
 
+    def fail_all(self, why: str) -> None:
+        """Ends every request in flight with `error` (its stream's error event says `why`) and
+        has the engine abort them, which frees their pages; the engine serves on."""
+        self.abort(self._end_all(why, "error"))  # ended here first: the engine's `abort` finishes reach nobody
+
     def abort(self, request_ids: Sequence[str]) -> None:
         """Ends requests with `abort` and frees their pages; unknown or finished ids are ignored.
         Thread-safe and non-blocking."""
@@ -242,6 +278,8 @@ class EngineClient:
     @property
     def not_running_message(self) -> str:
         """Why requests are refused, once not alive (the cause may reach us a moment after the death)."""
+        if self.restarting:
+            return f"the engine is restarting ({self.error})"
         return f"the engine is not running ({self.error})" if self.error else "the engine is not running"
 
     def _check_alive(self) -> None:
@@ -262,13 +300,53 @@ class EngineClient:
                 if not self._core_alive():
                     if not self._stopping:
                         self._die(self._exit_reason())
+                        if self._restart():
+                            continue
                     return
                 continue
             if message[0] == "batch":
                 self._on_batch(*message[1:])
             elif message[0] == "dead":
                 self._die(message[1])
-                return
+                if not self._restart():
+                    return
+
+    def _restart(self) -> bool:
+        """Replaces the dead engine process if a restart is left in the window; True once the new
+        one is ready. Requests are refused (503) meanwhile: `alive` is false while `error` is set."""
+        while self._factory is not None and not (self._closing or self._stopping):
+            now = time.monotonic()
+            while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+                self._restart_times.popleft()
+            if len(self._restart_times) >= self._restarts:
+                if self._restarts:
+                    why = (f"the engine process died {len(self._restart_times) + 1} times within "
+                           f"{RESTART_WINDOW_S:g} s, past its {self._restarts} restarts ({self.error})")
+                    log.error("%s: giving up", why)
+                    self.on_give_up(why)
+                return False
+            self._restart_times.append(now)
+            self.metrics.engine_restarts.inc()
+            self._join(5)  # the old process must be gone before a new one connects to the sockets
+            if self._core_alive():
+                self._terminate()
+                self._join(5)
+            log.warning("starting a new engine process (restart %d of %d within %g s)",
+                        len(self._restart_times), self._restarts, RESTART_WINDOW_S)
+            self.restarting, self.startup = True, {"phase": "restarting"}
+            try:
+                self._launch()
+                self._await_ready(None, self._exit_reason)
+            except RuntimeError as e:
+                log.error("%s", e)
+                continue
+            finally:
+                self.restarting = False
+            self.metrics.engine_replaced()
+            self.error = None
+            log.info("the new engine process is ready")
+            return True
+        return False
 
     def _on_batch(self, replies: list[tuple], outputs: list[tuple], stats: dict | None) -> None:
         with self._lock:
@@ -279,7 +357,7 @@ class EngineClient:
         if outputs:
             by_loop: dict[asyncio.AbstractEventLoop, dict[asyncio.Queue, list[Delta]]] = {}
             with self._lock:
-                for request_id, tokens, logprobs, finish, timings in outputs:
+                for request_id, tokens, logprobs, finish, cached, timings in outputs:
                     self.metrics.generation_tokens.inc(len(tokens))
                     if finish is not None:
                         self.metrics.observe_finished(finish, timings)
@@ -288,27 +366,34 @@ class EngineClient:
                         sub = self._subs.get(request_id)
                     if sub is not None:  # else its client has gone
                         queues = by_loop.setdefault(sub.loop, {})
-                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish))
+                        queues.setdefault(sub.queue, []).append(Delta(sub.index, tokens, logprobs, finish, cached))
             for loop, queues in by_loop.items():
                 _safe_call(loop, _deliver, queues)
         if stats is not None:
             self.metrics.observe_engine(stats)
 
     def _die(self, why: str, reason: str = "error") -> None:
-        """Ends every subscribed request with `reason` and fails every pending command."""
+        """The core has ended: records why (unless it was stopped) and ends everything in flight."""
         if self.error is None and reason == "error":
             log.error("the engine died: %s", why)
             self.error = why
+        self._end_all(f"the engine stopped ({why})", reason)
+
+    def _end_all(self, why: str, reason: str) -> list[str]:
+        """Ends every subscribed request with `reason` and fails every pending command with
+        EngineDeadError(why); returns the ids of the requests ended."""
         with self._lock:
             subs, self._subs = self._subs, {}
             pending, self._pending = self._pending, {}
         by_loop: dict = {}
         for sub in subs.values():
-            by_loop.setdefault(sub.loop, {}).setdefault(sub.queue, []).append(Delta(sub.index, [], None, reason))
+            by_loop.setdefault(sub.loop, {}).setdefault(sub.queue, []).append(
+                Delta(sub.index, [], None, reason, error=why if reason == "error" else None))
         for loop, queues in by_loop.items():
             _safe_call(loop, _deliver, queues)
         for loop, future in pending.values():
-            _safe_call(loop, _resolve, future, None, EngineDeadError(f"the engine stopped ({why})"))
+            _safe_call(loop, _resolve, future, None, EngineDeadError(why))
+        return list(subs)
 
 
 def _resolve(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -4,7 +4,8 @@
                                       ──► one message of replies (payload accepted or refused, call results)
                                       ──► engine.step()
                 ◄──outputs (PUSH)──── one message per step: each request's new token ids (and
-                                      logprobs), its finish reason and timings once done; engine stats
+                                      logprobs), its prompt tokens found in the prefix cache, its
+                                      finish reason and timings once done; engine stats
 
 The core does nothing but schedule and step: prompts arrive as token ids, and token ids go back;
 text is encoded and decoded in the API process, so neither tokenizer work nor HTTP handling takes
@@ -21,6 +22,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
 import time
 from typing import Any, Callable
 
@@ -60,13 +62,16 @@ class EngineFactory:
         log.info("resolved:\n%s", engine.describe())
         built(engine)
         if self.warmup:
+            engine.prepare_structured_output()  # beside the compiles, not on the first request's time
             start = time.perf_counter()
             total = len(engine.runner.all_programs())
             progress({"phase": "compiling", "done": 0, "total": total})
             programs = engine.runner.warmup(lambda done, total: progress(
                 {"phase": "compiling", "done": done, "total": total}))
-            log.info("%d step programs compiled or loaded from the compile cache in %.1f s", programs,
-                     time.perf_counter() - start)
+            cache = engine.runner.cache
+            loaded = cache.loaded if cache is not None else 0
+            log.info("%d step programs ready in %.1f s: %d compiled, %d loaded from the compile cache", programs,
+                     time.perf_counter() - start, programs - loaded, loaded)
         return engine
 
 
@@ -94,6 +99,9 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
                 parent_pid: int) -> None:
     """Entry point of the engine process: build the engine, then serve until told to stop (or
     until the API process is gone)."""
+    # Ctrl+C signals the whole process group: it is the API process's to handle (it drains, then
+    # sends `stop`). SIGTERM keeps ending this process: that is how a starting engine is stopped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from jaxserve.host_memory import keep_freed_memory
     keep_freed_memory()  # before the ZMQ and XLA threads start, as the engine wants it
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -241,8 +249,9 @@ class _Core:
         return ("added", key, None)
 
     def collect(self) -> list[tuple]:
-        """(request id, new token ids, their logprobs or None, finish reason or None, timings or
-        None) of every request with news; finished requests are released."""
+        """(request id, new token ids, their logprobs or None, finish reason or None, prompt tokens
+        served from the prefix cache, timings or None) of every request with news; finished
+        requests are released."""
         out = []
         for request_id, live in list(self.live.items()):
             r = live.request
@@ -251,7 +260,7 @@ class _Core:
                 continue
             logprobs = r.logprobs[live.sent: n] if r.params.logprobs is not None else None
             finish = r.finish_reason.value if r.finished else None
-            out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish,
+            out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish, r.num_cached_tokens or 0,
                         _timings(r, live.received) if r.finished else None))
             live.sent = n
             if r.finished:
@@ -263,7 +272,9 @@ class _Core:
         """On stop: every request still served ends with `abort`, and the clients hear of it."""
         for request_id in self.live:
             self.engine.abort(request_id)
-        self._send(("batch", [], self.collect(), self.engine.stats()))
+        stats = self.engine.stats()
+        log.info("the engine stops with %d KV pages held by sequences", stats["used_pages"])
+        self._send(("batch", [], self.collect(), stats))
 
     def _send(self, message) -> None:
         self.outputs.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))

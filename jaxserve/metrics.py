@@ -4,7 +4,11 @@ They live in the API process. The engine client's receiver thread updates them f
 core's messages (`observe_engine` with the stats sent after each step, `observe_finished` with the
 timings of each finished request); HTTP handlers count rejections and render the text format.
 Names follow the vLLM vocabulary: TTFT, TPOT (time per output token after the first), end-to-end
-latency, queue time.
+latency, queue time. The gauges a router scores replicas by are also exported under vLLM's own
+names (the Gateway API Inference Extension's model server protocol, which llm-d's scheduler
+follows): `vllm:num_requests_waiting`, `vllm:num_requests_running`, and KV-cache use as a fraction
+under both `vllm:kv_cache_usage_perc` (vLLM V1, the protocol today) and `vllm:gpu_cache_usage_perc`
+(older vLLM, which earlier scheduler releases read).
 """
 
 from __future__ import annotations
@@ -34,13 +38,25 @@ class Metrics:
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_percent", "KV pages in use, percent of the pool", registry=r)
         self.kv_group_pages = Gauge("jaxserve_kv_group_pages", "KV pages of one KV-cache group (full attention or "
                                     "a sliding window), used or cached", ["group", "window", "state"], registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
+        self.vllm_kv_usage = [Gauge(name, "KV-cache usage: KV pages in use, 1 means the whole pool", registry=r)
+                              for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens accepted", registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
         self.preemptions = Counter("jaxserve_num_preemptions", "Sequences preempted for lack of KV pages",
                                    registry=r)
         self.compiles = Counter("jaxserve_num_compiles", "XLA compilations of prefill and decode steps",
                                 registry=r)
+        self.mask_seconds = Counter("jaxserve_structured_output_mask_seconds",
+                                    "Host time filling structured-output token masks (llguidance), all steps",
+                                    registry=r)
+        self.mask_steps = Counter("jaxserve_structured_output_mask_steps",
+                                  "Steps that filled a structured-output token mask (mean per step: the "
+                                  "seconds counter over this one)", registry=r)
         self.engine_errors = Counter("jaxserve_engine_step_errors", "Engine steps that failed", registry=r)
+        self.engine_restarts = Counter("jaxserve_engine_restarts",
+                                       "Engine processes started again after the previous one died", registry=r)
         self.finished = Counter("jaxserve_requests_finished", "Requests ended, by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("jaxserve_requests_rejected", "HTTP requests refused, by status code",
@@ -60,24 +76,35 @@ class Metrics:
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
-                      "prefix_cache_hits": 0}
+                      "prefix_cache_hits": 0, "structured_output_mask_seconds": 0, "structured_output_mask_steps": 0}
+
+    def engine_replaced(self) -> None:
+        """A new engine counts from 0: its counters advance the exported ones from there."""
+        self._seen = dict.fromkeys(self._seen, 0)
 
     def observe_engine(self, stats: dict) -> None:
         """Mirrors `Engine.stats()`: gauges are set, engine counters advance by their increase."""
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
+        for gauge in (self.running, self.vllm_running):
+            gauge.set(stats["running"])
+        for gauge in (self.waiting, self.vllm_waiting):
+            gauge.set(stats["waiting"])
         total, used = stats["total_pages"], stats["used_pages"]
         self.kv_pages_used.set(used)
         self.kv_pages_cached.set(stats["cached_pages"])
         self.kv_pages_total.set(total)
-        self.kv_usage.set(100.0 * used / total if total else 0.0)
+        usage = used / total if total else 0.0
+        self.kv_usage.set(100.0 * usage)
+        for gauge in self.vllm_kv_usage:
+            gauge.set(usage)
         for g, group in enumerate(stats.get("kv_groups", ())):
             window = "full" if group["window"] is None else str(group["window"])
             for state in ("used", "cached"):
                 self.kv_group_pages.labels(group=str(g), window=window, state=state).set(group[f"{state}_pages"])
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits)):
+                             ("prefix_cache_hits", self.prefix_cache_hits),
+                             ("structured_output_mask_seconds", self.mask_seconds),
+                             ("structured_output_mask_steps", self.mask_steps)):
             value = stats.get(key, 0)
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])

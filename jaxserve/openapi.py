@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.protocol import ChatCompletionRequest, CompletionRequest
 
-Finish = Literal["stop", "length", "abort"] | None
+Finish = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class ErrorDetail(BaseModel):
@@ -35,10 +35,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose K/V came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -81,9 +86,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments, as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class StreamedToolCall(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="the reply's text; null when it is tool_calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="with tool_choice naming a function or "
+                                                                 "\"required\": the calls the reply makes")
 
 
 class ChatChoice(BaseModel):
@@ -107,6 +129,8 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[StreamedToolCall] | None = Field(None, description="a reply constrained to tool calls: "
+                                                                         "all its calls, in the last delta")
 
 
 class ChatChunkChoice(BaseModel):

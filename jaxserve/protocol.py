@@ -5,9 +5,12 @@ no API defines (a typo such as `max_token`) is refused and named. Each accepted 
 - honoured: sampling, `n`, `stop`, `logprobs`, `echo`, `stream_options`, `truncate_prompt_tokens`,
   `add_special_tokens`, `chat_template`, ...;
 - a no-op by nature (`user`, `metadata`, `parallel_tool_calls`, `prompt_cache_key`, ...);
-- `_only` its default or a value that changes nothing (`tool_choice: "none"`, `tools: []`,
-  `presence_penalty: 0`, `response_format: {"type": "text"}`, `store: false`, ...): any other
-  value is a 400 that says why, rather than being silently ignored.
+- `_only` its default or a value that changes nothing (`presence_penalty: 0`, `store: false`,
+  ...): any other value is a 400 that says why, rather than being silently ignored.
+Structured output: `response_format` (text, json_object, json_schema), vLLM's
+`structured_outputs` (json, regex, choice, grammar, json_object), and for chat `tools` with a
+`tool_choice` that names a function or is "required"; the server turns them into a
+`StructuredOutputs` (one per request), whose checks name the field at fault.
 The JSON schema of each field says exactly what is accepted (the OpenAPI document is built from
 these models). Sampling ranges are checked by `SamplingParams`; here they are only documented.
 """
@@ -81,12 +84,8 @@ def _range(**bounds) -> dict:
     return {"json_schema_extra": bounds}
 
 
-_TEXT_FORMAT = {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-                "additionalProperties": False}
-
-
 # Fields accepted for compatibility (see _only): what each accepts, and why nothing more.
-_NO_TOOLS = "tools are not implemented by jaxserve"
+_NO_FUNCTIONS = "the deprecated functions API is not implemented by jaxserve: use tools"
 _NONE_OR_AUTO = {"enum": ["none", "auto"]}
 _PresencePenalty = _zero("presence_penalty")
 _FrequencyPenalty = _zero("frequency_penalty")
@@ -101,10 +100,7 @@ _PromptLogprobs = _absent("prompt_logprobs is not implemented by jaxserve")
 _AllowedTokenIds = _absent("allowed_token_ids is not implemented by jaxserve")
 _BadWords = _empty("bad_words is not implemented by jaxserve")
 _LogitsProcessors = _absent("logits processors are not implemented by jaxserve")
-_ResponseFormat = _only(_TEXT_FORMAT, lambda v: v == {"type": "text"},
-                        'only response_format {"type": "text"} is supported (no JSON mode)')
-_Guided = _absent("guided decoding is not implemented by jaxserve")
-_StructuredOutputs = _absent("structured outputs are not implemented by jaxserve")
+_Guided = _absent("guided_* fields are not implemented by jaxserve: use structured_outputs or response_format")
 _Priority = _only({"type": "integer", "minimum": 0, "maximum": 0}, _equals(0),
                   "request priorities are not implemented by jaxserve; leave priority at 0")
 _ReturnTokensAsTokenIds = _is(False, "return_tokens_as_token_ids is not implemented by jaxserve")
@@ -116,14 +112,12 @@ _BestOf = _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
 _Suffix = _only({"type": "string", "maxLength": 0}, lambda v: v == "",
                 "suffix (insertion) is not implemented by jaxserve")
 _PromptEmbeds = _absent("prompt_embeds are not supported by jaxserve")
-_ToolCalls = _empty("tool calls are not implemented by jaxserve")
+_ToolCalls = _empty("tool calls in the conversation's history are not supported by jaxserve")
 _FunctionCall = _absent("function calls are not implemented by jaxserve")
 _Audio = _absent("audio is not supported by jaxserve")
-_Tools = _empty(_NO_TOOLS)
-_ToolChoice = _only(_NONE_OR_AUTO, lambda v: v in ("none", "auto"),
-                    f'{_NO_TOOLS}: tool_choice may only be "none" or "auto"')
+_Functions = _empty(_NO_FUNCTIONS)
 _FunctionCallChat = _only(_NONE_OR_AUTO, lambda v: v in ("none", "auto"),
-                          f'{_NO_TOOLS}: function_call may only be "none" or "auto"')
+                          f'{_NO_FUNCTIONS}: function_call may only be "none" or "auto"')
 _Store = _is(False, "jaxserve does not store completions (store must be false)")
 _ServiceTier = _only({"enum": ["auto", "default"]}, lambda v: v in ("auto", "default"),
                      'jaxserve has one service tier: "auto" or "default"')
@@ -142,6 +136,57 @@ _MmProcessorKwargs = _absent("jaxserve serves text-only models")
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str | None = Field(None, description="the schema's name (not used)")
+    description: str | None = Field(None, description="accepted; not shown to the model")
+    schema_: dict[str, Any] | None = Field(None, alias="schema",
+                                           description="the JSON schema the output must match (absent: any JSON object)")
+    strict: bool | None = Field(None, description="accepted; jaxserve always enforces the schema")
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description='required with type "json_schema"')
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs`: set exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or string)")
+    regex: str | None = Field(None, description="the whole output matches this regular expression")
+    choice: list[str] | None = Field(None, description="the output is exactly one of these strings")
+    grammar: str | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    disable_fallback: bool | None = Field(None, description="accepted; jaxserve has one backend (llguidance)")
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = Field(None, description="accepted; not shown to the model unless the chat template does")
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments (absent: none)")
+    strict: bool | None = Field(None, description="accepted; jaxserve always enforces the schema")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming the function the reply must call."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Strict):
@@ -187,14 +232,14 @@ class _Sampling(_Strict):
     allowed_token_ids: _AllowedTokenIds = None
     bad_words: _BadWords = None
     logits_processors: _LogitsProcessors = None
-    response_format: _ResponseFormat = None
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
     guided_json: _Guided = None
     guided_regex: _Guided = None
     guided_choice: _Guided = None
     guided_grammar: _Guided = None
     guided_decoding_backend: _Guided = None
     guided_whitespace_pattern: _Guided = None
-    structured_outputs: _StructuredOutputs = None
+    structured_outputs: StructuredOutputsBody | None = Field(None, description="vLLM: constrain the output")
     priority: _Priority = None
     return_tokens_as_token_ids: _ReturnTokensAsTokenIds = None
     return_token_ids: _ReturnTokenIds = None
@@ -272,10 +317,13 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: bool | None = Field(False, description="add the tokenizer's BOS to the rendered chat")
     chat_template: str | None = Field(None, description="a Jinja chat template for this request")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
-    tools: _Tools = None
-    tool_choice: _ToolChoice = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted; no effect (no tools)")
-    functions: _Tools = None
+    tools: list[Tool] | None = Field(None, description='functions the reply may call; with tools, tool_choice '
+                                                       'must be "required", a named function or "none"')
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"required" or a named function constrains the reply to tool calls; "auto" with '
+                          'tools is refused (jaxserve serves base models, which cannot choose)')
+    parallel_tool_calls: bool | None = Field(None, description="accepted; \"required\" allows several calls")
+    functions: _Functions = None
     function_call: _FunctionCallChat = None
     metadata: dict[str, str] | None = Field(None, description="accepted; not stored")
     store: _Store = None
@@ -329,7 +377,7 @@ def describe(error: ValidationError, model: type[BaseModel] | None = None) -> tu
     return f"{param}: {e['msg']}" if param else e["msg"], param
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "ContentPart", "list", "dict"}
+_UNION_TAGS = {"str", "int", "float", "bool", "ContentPart", "list", "dict", "NamedToolChoice"}
 
 
 def _suggest(loc: list[str], model: type[BaseModel] | None) -> str:

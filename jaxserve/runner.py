@@ -97,6 +97,7 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=2 if one_row_trap else 1)
         self._compiled: dict[tuple, object] = {}
+        self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
         self.cache = None if config.cache_dir is None else ExecutableCache(config.cache_dir, self._describe(), devices)
         self.tokens_run = 0  # real tokens through the model ...
@@ -115,12 +116,12 @@ class Runner:
         """Starts a step on the device and returns at once."""
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
         state, pool, slot_tokens, *inputs = self.step_args(batch)
-        tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots = inputs
+        tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots, allowed = inputs
         forward = self._executable(("forward", tokens))
         self.kv_pool, hidden = forward(state, pool, slot_tokens, tokens_in, token_slots, meta, logits_indices)
         sample_step = self._executable(("sample", rows))
         self.slot_tokens, next_tokens, logits = sample_step(state, self.slot_tokens, hidden, sampling, positions,
-                                                            sample_slots)
+                                                            sample_slots, allowed)
         out = (next_tokens,)
         if logprobs:
             out += tuple(self._executable(("logprobs", rows))(logits, next_tokens))
@@ -141,7 +142,25 @@ class Runner:
                   batch.sample_positions, batch.sample_slots)
         if self.mesh is not None:
             inputs = self._place(inputs)
-        return (self.state, self.kv_pool, self.slot_tokens, *inputs)
+        allowed = self._all_allowed(len(batch.sample_slots)) if batch.allowed is None else \
+            self._place_rows(batch.allowed)
+        return (self.state, self.kv_pool, self.slot_tokens, *inputs, allowed)
+
+    def _all_allowed(self, rows: int) -> jax.Array:
+        """The mask [rows, M] that allows every token, kept on the device per row bucket: a step
+        without structured output sends no mask."""
+        mask = self._no_mask.get(rows)
+        if mask is None:
+            mask = self._no_mask[rows] = self._place_rows(np.full((rows, self.mask_words), -1, np.int32))
+        return mask
+
+    def _place_rows(self, x: np.ndarray):
+        return jnp.asarray(x) if self.mesh is None else self._place(x)
+
+    @property
+    def mask_words(self) -> int:
+        """M: int32 words of a row's token bitmask."""
+        return -(-self.model_config.vocab_size // 32)
 
     # ---- the three programs of a step ----
 
@@ -153,13 +172,14 @@ class Runner:
         hidden, kv_pool = model.hidden_states(tokens, kv_pool, meta, attend=self.attend, rows=logits_indices)
         return kv_pool, hidden
 
-    def _sample(self, state, slot_tokens, hidden, sampling: SamplingBatch, positions, sample_slots):
-        """The logits [R, V] of each replica's first R rows of hidden, and one token per row [R];
-        each sampling row's token also kept in its slot for the next step."""
+    def _sample(self, state, slot_tokens, hidden, sampling: SamplingBatch, positions, sample_slots, allowed):
+        """The logits [R, V] of each replica's first R rows of hidden, and one token per row [R],
+        drawn among the tokens allowed [R, M] permits; each sampling row's token also kept in its
+        slot for the next step. The logits returned (for logprobs) are the model's, unmasked."""
         rows = sample_slots.shape[0] // self.replicas
         hidden = hidden.reshape(self.replicas, -1, hidden.shape[-1])[:, :rows].reshape(-1, hidden.shape[-1])
         logits = nnx.merge(self.graphdef, state).logits(hidden)
-        next_tokens = sample(logits, sampling, positions=positions)
+        next_tokens = sample(logits, sampling, positions=positions, allowed=allowed)
         return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens, logits
 
     def _logprobs(self, logits, tokens):
@@ -219,8 +239,8 @@ class Runner:
         kind, size = key
         batch = self.padding_batch(size, self.buckets.min_rows) if kind == "forward" else \
             self.padding_batch(self.buckets.token_sizes[0], size)
-        state, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots = \
-            self.step_args(batch)
+        state, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots, \
+            allowed = self.step_args(batch)
         rows, width = self.replicas * size, self.replicas * self.buckets.max_rows
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                       sharding=self._rows_sharding((rows, self.model_config.vocab_size)))
@@ -231,7 +251,7 @@ class Runner:
             args = (state, pool, slot_tokens, tokens, token_slots, meta, logits_indices)
         elif kind == "sample":
             fn, donate = self._sample, (1,)
-            args = (state, slot_tokens, hidden, sampling, positions, sample_slots)
+            args = (state, slot_tokens, hidden, sampling, positions, sample_slots, allowed)
         else:
             fn, donate = self._logprobs, ()
             args = (logits, jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._rows_sharding((rows,))))

@@ -1,8 +1,10 @@
 """On-device token sampling, one row per sequence: greedy, temperature, top-k, top-p and min-p.
 
 Each row's key is derived from the request's seed and the position of the token being sampled,
-so a request draws the same tokens whatever else shares its batch.
-Legend: B rows, V vocab.
+so a request draws the same tokens whatever else shares its batch. A row constrained to a
+grammar (structured output) first has the tokens its bitmask forbids set to -inf, so no cut and no
+greedy pick can reach them.
+Legend: B rows, V vocab, M = ceil(V / 32) mask words.
 """
 
 from __future__ import annotations
@@ -30,11 +32,27 @@ class SamplingBatch:
         return cls(table.temperature, table.top_k, table.top_p, table.min_p, table.seed)
 
 
-def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
-    """logits: [B, V] float32; positions: [B] index of the token being sampled. Returns [B] int32."""
+def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array,
+           allowed: jax.Array | None = None) -> jax.Array:
+    """logits: [B, V] float32; positions: [B] index of the token being sampled; allowed: [B, M]
+    int32 bitmasks of the tokens each row may draw (all bits set: any), or None. Returns [B] int32."""
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     greedy = argmax(logits)
     return jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy,
                         lambda: jnp.where(params.temperature == 0, greedy, _sample_random(logits, params, positions)))
+
+
+def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens that allowed [B, M] forbids set to -inf: token t of row b is
+    allowed when bit t % 32 of allowed[b, t // 32] is set (llguidance's layout). A batch without a
+    constrained row (every word -1) skips the pass over the vocabulary."""
+    b, v = logits.shape
+
+    def masked():
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, M, 32]
+        return jnp.where(bits.reshape(b, -1)[:, :v] == 1, logits, -jnp.inf)
+    return jax.lax.cond(jnp.any(allowed != -1), masked, lambda: logits)
 
 
 def argmax(logits: jax.Array, chunk: int = 512) -> jax.Array:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI), in the API process; the engine runs in its own.
 
     POST /v1/completions, /v1/chat/completions
-      read the body (413 past max_body_bytes) ─► pydantic model (400) ─► SamplingParams (400)
+      read the body (413 past max_body_bytes) ─► pydantic model (400) ─► SamplingParams (400), with the
+      output's constraint (response_format, structured_outputs, tools: structured_requests.py)
       ─► tokenize here (chat: render the chat template first) ─► completion_job.Job
       ─► EngineClient.submit: the engine process adds every prompt x n as one group (400/429)
       ◄─ one list of new token ids per engine step ─► detokenize here ─► JSON, or SSE chunks
@@ -39,6 +40,7 @@ from jaxserve.engine_core import EngineFactory
 from jaxserve.engine_state import engine_state
 from jaxserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
 from jaxserve.starting_app import StartingApp
+from jaxserve.structured_requests import constraint
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
         echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
                 for p in texts]
         params = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                           info.vocab_size)
+                           info.vocab_size, constraint(body, chat=False)[0])
         payload = Payload(prompts, params, body.n, echo, chat=False, logprobs=body.logprobs is not None,
                           include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
                           cache_salt=body.cache_salt)
@@ -182,11 +184,16 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
         check_model(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        structured, tool_calls = constraint(body, chat=True)
         messages = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
                     for m in body.messages]
+        variables = body.chat_template_kwargs
+        if body.tools and tool_calls is not None:  # templates that know tools describe them to the model
+            variables = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools],
+                         **(variables or {})}
         try:
             text, source = templates.render(messages, body.add_generation_prompt is not False, body.chat_template,
-                                            body.chat_template_kwargs)
+                                            variables)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages")
         prompt = truncate(encode(text, bool(body.add_special_tokens)), body.truncate_prompt_tokens)
@@ -195,10 +202,11 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, info.max_model_len - len(prompt))
-        params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, info.vocab_size)
+        params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, info.vocab_size,
+                           structured)
         payload = Payload([prompt], params, body.n, [""], chat=True, logprobs=bool(body.logprobs),
                           include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
-                          cache_salt=body.cache_salt)
+                          cache_salt=body.cache_salt, tool_calls=tool_calls)
         job = Job(client, request, name, payload, tokenizer, arrival)
         return await job.respond(bool(body.stream), body.include_usage, body.continuous_usage, {HEADER: source})
 
@@ -247,14 +255,15 @@ def _completion_prompts(prompt) -> list:
     return prompts
 
 
-def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
+def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | None,
+              structured_outputs=None) -> SamplingParams:
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(body, k) is not None}
     if given.get("top_k") == -1 or given.get("top_k", 0) >= (vocab_size or 2**31):
         given["top_k"] = 0  # -1 is vLLM's "off"; k past the vocabulary keeps every token (and fits int32)
     try:
         return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_list,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
-                              logprobs=logprobs, **given)
+                              logprobs=logprobs, structured_outputs=structured_outputs, **given)
     except ValueError as e:
         raise ApiError(400, str(e), param=param_of(str(e)))
 
@@ -263,15 +272,25 @@ def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | Non
 
 def run(args, client: EngineClient, start: float) -> None:
     """`jaxserve serve` over an engine process already started (`client`, at `start`): serves HTTP
-    until interrupted."""
+    until SIGTERM or SIGINT, then drains (jaxserve/shutdown.py) and stops the engine process."""
     import uvicorn
+
+    from jaxserve.shutdown import AFTER_ABORT_S, DrainGate, DrainingServer
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     app = StartingApp(client)  # answers 503 with the start-up's progress until the engine is ready
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    gate = DrainGate(app)
+    server = DrainingServer(uvicorn.Config(gate, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=AFTER_ABORT_S),
+                            gate, client, args.shutdown_timeout)
 
     stopping = threading.Event()
+
+    def give_up(why: str) -> None:  # no engine restart left: exit non-zero, for a supervisor to take over
+        app.failed = why
+        server.should_exit = True
+    client.on_give_up = give_up
 
     def when_ready():
         try:
@@ -291,4 +310,3 @@ def run(args, client: EngineClient, start: float) -> None:
         client.stop()
     if app.failed:
         raise RuntimeError(app.failed)
-

@@ -12,6 +12,9 @@ the runner's compiled programs take, and the buckets that keep those shapes few.
         sample_positions [R] the position of the token each sequence samples (its sampling key)
         sample_slots [R]    the slot each sampling sequence's token is kept in on the device (for
                             the next step); out of range for the others
+        allowed [R, M]      bitmasks of the tokens each row may sample (structured output), set
+                            by the engine after `build_step` when some row is constrained; None:
+                            every token (the runner passes its own all-ones mask of that shape)
 
 T is padded to a token bucket, and S follows from it (min(T, max_seqs)): the model's forward
 program is compiled once per token bucket. R, the rows that reach the output layer and the
@@ -55,6 +58,7 @@ class StepBatch:
     sample_slots: np.ndarray  # [R] int32
     rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
     num_tokens: int = 0  # real tokens (the rest of T is padding)
+    allowed: np.ndarray | None = None  # [R, ceil(V / 32)] int32 token bitmasks; None: no row is constrained
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -44,26 +44,46 @@ def build_tokenizer(path: str) -> None:
                                     "{% if add_generation_prompt %}assistant:{% endif %}"}, f)
 
 
+SYMBOLS_CORPUS = ('{"name": "fox", "age": 3, "tags": ["quick", "brown"], "ok": true} the quick brown fox '
+                  'jumps over the lazy dog. yes no [1, 2.5, -3] null false ') * 4
+
+
+def build_symbols_tokenizer(path: str) -> None:
+    """A small BPE tokenizer, written over build_tokenizer's tokenizer.json, that can spell any
+    printable ASCII text (JSON included) with ids below VOCAB, in Gemma's style: spaces as "▁"
+    pieces and a decoder that llguidance reads (it cannot read a Metaspace decoder)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    alphabet = [chr(c) for c in range(33, 127)] + ["\u2581"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator([SYMBOLS_CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
 def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
     """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, mistral, gemma2, gemma3) with a
-    tokenizer. Mistral, Gemma 2 and Gemma 3 have sliding windows of 8 tokens unless overridden."""
+    tokenizer; `overrides` replace config fields (vocab_size, max_position_embeddings, sliding_window, ...).
+    Mistral, Gemma 2 and Gemma 3 have sliding windows of 8 tokens unless overridden."""
     import torch
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0) | overrides
     if kind in ("llama", "llama3"):
         scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=64) if kind == "llama3" else None
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=(kind == "llama3"),
-                             rope_scaling=scaling, **overrides)
+                             rope_scaling=scaling)
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = tf.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
+        cfg = tf.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
         model = tf.Qwen2ForCausalLM(cfg)
     elif kind == "qwen3":
-        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False, **overrides)
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False)
         model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "mistral":  # every layer windowed
         cfg = tf.MistralConfig(**{**common, "rope_theta": 10000.0, "sliding_window": 8, **overrides})
@@ -105,6 +125,14 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints):
     return checkpoints("llama")
+
+
+@pytest.fixture(scope="session")
+def symbols_llama_dir(tmp_path_factory):
+    """The tiny Llama with a tokenizer that spells JSON (structured-output tests)."""
+    path = build_checkpoint(str(tmp_path_factory.mktemp("llama-symbols")), "llama")
+    build_symbols_tokenizer(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ cross-field rules that no JSON schema can state, and that the server rightly ans
 - prompt tokens plus max_tokens must fit the context (JAXSERVE_TEST_MAX_MODEL_LEN);
 - prompts x n must not exceed 256 choices;
 - `echo` with `logprobs`, and `top_logprobs` without `logprobs`, are refused;
-- a request's own `chat_template` may render to nothing.
+- a request's own `chat_template` may render to nothing;
+- a constraint on the output (`structured_outputs`, a JSON `response_format`, `tools`) must be a
+  valid schema, regex or grammar, and only one of them may be given: no JSON schema says that.
 The estimate of prompt tokens is an upper bound for the tests' tokenizer (at most two tokens per
 character: a word-start marker and the character), so only bodies that might overflow are dropped.
 """
@@ -37,9 +39,18 @@ def filter_case(context, case) -> bool:
     return _fits(case.body)
 
 
+def _constrained(body: dict) -> bool:
+    fmt = body.get("response_format")
+    return (body.get("structured_outputs") is not None or body.get("tools") not in (None, [])
+            or body.get("tool_choice") not in (None, "none", "auto")
+            or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")))
+
+
 def _fits(body) -> bool:
     if not isinstance(body, dict):
         return True
+    if _constrained(body):
+        return False
     n = body.get("n") if isinstance(body.get("n"), int) else 1
     if body.get("top_logprobs") is not None and not body.get("logprobs"):
         return False

@@ -23,6 +23,7 @@ class _Request:
     arrival_time: float
     output_token_ids: list = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -268,16 +268,20 @@ def blocked_loop(loop_engine, *fn_and_args):
         thread.join(30)
 
 
-def test_full_queue_is_429_with_retry_after(server, loop_engine, engine):
+MAX_WAITING = 2
+BURST = 4 * MAX_WAITING
+
+
+def test_a_burst_past_the_queue_gets_429_with_retry_after_and_the_rest_is_served(server, loop_engine, engine):
     config = engine.config
+    body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
-            with blocked_loop(loop_engine, _set_config, config.replace(max_waiting=2)):
-                sends = [asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
-                         for _ in range(5)]
+            with blocked_loop(loop_engine, _set_config, config.replace(max_waiting=MAX_WAITING)):
+                sends = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(BURST)]
                 deadline = time.monotonic() + 20
-                while len(loop_engine._subs) < 5:  # all five are queued behind the blocked loop
+                while len(loop_engine._subs) < BURST:  # the whole burst is queued behind the blocked loop
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
             return await asyncio.gather(*sends)
@@ -285,11 +289,15 @@ def test_full_queue_is_429_with_retry_after(server, loop_engine, engine):
         results = asyncio.run(go())
     finally:
         on_loop(loop_engine, _set_config, config)
-    codes = sorted(r.status_code for r in results)
-    assert codes == [200, 200, 429, 429, 429], [r.text for r in results]
-    busy = next(r for r in results if r.status_code == 429)
-    assert busy.headers["retry-after"] == "1" and "waiting queue is full" in busy.json()["error"]["message"]
+    served = [r for r in results if r.status_code == 200]
+    busy = [r for r in results if r.status_code == 429]
+    assert len(served) == MAX_WAITING and len(busy) == BURST - MAX_WAITING, [r.text for r in results]
+    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in served)
+    for r in busy:
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full" and "waiting queue is full" in r.json()["error"]["message"]
     wait_idle(server)
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
 
 
 def test_disconnects_abort_and_free_pages(server, model, loop_engine):
@@ -387,6 +395,62 @@ def test_dead_engine_loop_makes_health_503():
             r = await c.post("/v1/completions", json={"prompt": [1, 2]})
             assert r.status_code == 503
     asyncio.run(go())
+
+
+def test_usage_counts_prompt_tokens_served_from_the_prefix_cache(client, model, engine):
+    """usage.prompt_tokens_details.cached_tokens: the full pages (8 tokens) of a prompt that an
+    earlier prompt computed, in JSON bodies, in a stream's usage chunk and for chat."""
+    shared = list(range(100, 116))  # two full pages, in no other test's prompt
+    first = client.completions.create(model=model, prompt=shared + [3, 4, 5], max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=model, prompt=shared + [6, 7, 8, 9], max_tokens=2, **GREEDY)
+    assert second.usage.prompt_tokens_details.cached_tokens == 16 and second.usage.prompt_tokens == 20
+    streamed = list(client.completions.create(model=model, prompt=shared + [11, 12], max_tokens=2, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 16
+
+    system = {"role": "system", "content": "paged attention keeps kv memory tight. " * 3}
+    questions = ["the quick brown fox", "a stitch in time"]
+    ids = [engine.tokenizer.encode(f"system: {system['content']}\nuser: {q}\nassistant:", add_special_tokens=False)
+           for q in questions]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    expected = min(common, len(ids[1]) - 1) // 8 * 8  # full pages of the shared prefix, last token computed
+    assert expected >= 16
+    chats = [client.chat.completions.create(model=model, messages=[system, {"role": "user", "content": q}],
+                                            max_tokens=2, **GREEDY) for q in questions]
+    assert chats[1].usage.prompt_tokens == len(ids[1])
+    assert chats[1].usage.prompt_tokens_details.cached_tokens == expected
+
+
+def test_vllm_named_gauges_follow_the_engine(server, loop_engine, model):
+    """The gauges llm-d's router reads, under vLLM's names: 20 long requests on 16 slots leave 4
+    waiting while the others hold KV pages, and every gauge is back to 0 once they are done."""
+    before = metrics(server)["jaxserve_generation_tokens_total"]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            with blocked_loop(loop_engine):  # all 20 reach the scheduler together
+                sends = [asyncio.ensure_future(c.post("/v1/completions", json={
+                    "model": model, "prompt": [20 + i, 50 + i, 40], "max_tokens": 100, "ignore_eos": True}))
+                    for i in range(20)]
+                deadline = time.monotonic() + 20
+                while len(loop_engine._subs) < 20:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+            while metrics(server)["jaxserve_generation_tokens_total"] == before:  # their first step ran ...
+                await asyncio.sleep(0.01)
+            with blocked_loop(loop_engine):  # ... so hold the loop within the 100 steps of the first 16
+                busy = metrics(server)
+            return busy, await asyncio.gather(*sends)
+    busy, responses = asyncio.run(go())
+    assert all(r.status_code == 200 for r in responses)
+    assert busy["vllm:num_requests_waiting"] == 4 and busy["vllm:num_requests_running"] == 16
+    usage = busy["jaxserve_kv_pages_used"] / busy["jaxserve_kv_pages_total"]
+    assert usage > 0 and busy["vllm:kv_cache_usage_perc"] == busy["vllm:gpu_cache_usage_perc"] == pytest.approx(usage)
+    idle = wait_idle(server)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc"):
+        assert idle[name] == 0, name
 
 
 def test_n_siblings_compute_their_prompt_once_and_salts_separate(server, model, client):

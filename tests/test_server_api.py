@@ -80,9 +80,9 @@ def test_no_op_defaults_are_accepted(server):
 
 
 REFUSED = [
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not implemented"),
-    (CHAT, {"tool_choice": "required"}, "tool_choice may only be"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "no JSON mode"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 'tool_choice "auto"'),
+    (CHAT, {"tool_choice": "required"}, "needs tools"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}, "is invalid"),
     (CHAT, {"logit_bias": {"5": 10}}, "logit_bias is not implemented"),
     (CHAT, {"presence_penalty": 0.5}, "presence_penalty is not implemented"),
     (CHAT, {"store": True}, "does not store"),
@@ -95,7 +95,7 @@ REFUSED = [
     ("/v1/completions", {"best_of": 3}, "best_of > 1"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"min_tokens": 2}, "min_tokens is not implemented"),
-    ("/v1/completions", {"guided_json": {}}, "guided decoding"),
+    ("/v1/completions", {"guided_json": {}}, "use structured_outputs"),
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ]
 

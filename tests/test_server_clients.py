@@ -8,65 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
-import psutil
 import pytest
-from server_helpers import metrics, wait_idle
+from server_helpers import MAX_MODEL_LEN, Serve, metrics, wait_idle
 
-MAX_MODEL_LEN = 256
 HERE = os.path.dirname(__file__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """`jaxserve serve` in a subprocess on loopback."""
-
-    def __init__(self, model: str, log_path: str, cache_dir: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        env = dict(os.environ, **({"JAXSERVE_CACHE": cache_dir} if cache_dir else {}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--port", str(self.port),
-             "--max-slots", "16", "--page-size", "8", "--num-pages", "512", "--max-model-len", str(MAX_MODEL_LEN)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.starting: list[dict] = []  # the 503 bodies /health answered while the engine started
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, open(log_path).read()
-            try:
-                health = httpx.get(self.url + "/health", timeout=2)
-                if health.status_code == 200:
-                    break
-                self.starting.append(health.json())
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "jaxserve serve did not start"
-            time.sleep(0.2)
-
-    def engine_process(self) -> psutil.Process:
-        children = psutil.Process(self.proc.pid).children()
-        return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +116,7 @@ def test_64_concurrent_streams_lose_nothing(serve):
 
 
 def test_engine_process_death_makes_health_503(checkpoints, tmp_path):
-    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"))
+    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"), args=("--engine-restarts", "0"))
     try:
         s.engine_process().kill()
         deadline = time.monotonic() + 20

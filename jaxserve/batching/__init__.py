@@ -8,6 +8,7 @@ from jaxserve.batching.policies import STRATEGIES, make_policy
 from jaxserve.batching.request import FinishReason, Request, RequestOutput, RequestStatus
 from jaxserve.batching.sampling_params import SamplingParams
 from jaxserve.batching.scheduler import Schedule, Scheduler, SchedulerConfig
+from jaxserve.batching.structured_outputs import StructuredOutputs
 
 __all__ = ["BlockManager", "STRATEGIES", "make_policy", "FinishReason", "Request", "RequestOutput",
-           "RequestStatus", "SamplingParams", "Schedule", "Scheduler", "SchedulerConfig"]
+           "RequestStatus", "SamplingParams", "Schedule", "Scheduler", "SchedulerConfig", "StructuredOutputs"]

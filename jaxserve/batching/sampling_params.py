@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.batching.structured_outputs import StructuredOutputs
+
 MAX_LOGPROBS = 5  # top alternatives the runner can return per token
 
 
@@ -21,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
+    structured_outputs: StructuredOutputs | None = None  # the output must match this (JSON schema, regex, ...)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -43,6 +46,9 @@ class SamplingParams:
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
