@@ -25,47 +25,47 @@ from jaxserve.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
 from jaxserve.structured_requests import ToolCalls
-from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, first_stop, texts_after
+from jaxserve.output_text import OutputText
+from jaxserve.tokenizer import DECODE_CONTEXT, texts_after
 
 
 class Choice:
-    """Detokenized output of one engine request, with stop strings applied like the engine does."""
+    """The output of one engine request as the server answers it: its text (output_text.py: the
+    same stop-string cut as the engine's), and per-token text and logprobs when asked for."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...], include_stop: bool, logprobs: bool):
-        self.tokenizer, self.stop, self.include_stop, self.want_logprobs = tokenizer, stop, include_stop, logprobs
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.tokenizer, self.want_logprobs = tokenizer, logprobs
+        self.output = OutputText(tokenizer, prompt_ids, stop, include_stop)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.context = prompt_ids[-DECODE_CONTEXT:]  # for the text of alternative tokens
-        self.text = ""  # all generated text (before stop strings are cut)
-        self.num_tokens = 0
         self.pieces: list[str] = []  # per-token text, for logprobs
         self.offsets: list[int] = []
         self.logprobs: list[float | None] = []
         self.tops: list[list[tuple[str, float]]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with `error`, when the API process knows
-        self.emitted = 0  # characters of output text already streamed
         self.emitted_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.output.num_tokens
 
     def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None,
             num_cached_tokens: int, error: str | None = None) -> None:
         self.num_cached_tokens = num_cached_tokens
         if not self.want_logprobs:  # the common case: one decode for the whole step
-            if self.detok is not None and token_ids:
-                self.text += self.detok.add(token_ids)
+            self.output.add(token_ids)
         else:
             for i, token in enumerate(token_ids):
-                piece = self.detok.add([token]) if self.detok else ""
                 lp = logprobs[i] if logprobs else {"logprob": None, "top": []}
-                self.offsets.append(len(self.text))
-                self.pieces.append(piece if self.detok else f"token_id:{token}")
+                self.offsets.append(len(self.output.text))
+                piece = self.output.add([token])
+                self.pieces.append(piece if self.tokenizer is not None else f"token_id:{token}")
                 self.logprobs.append(lp["logprob"])
                 texts = self._token_texts([t for t, _ in lp["top"]])
                 self.tops.append([(text, v) for text, (_, v) in zip(texts, lp["top"])])
                 self.context = (self.context + [token])[-DECODE_CONTEXT:]
-                self.text += piece
-        self.num_tokens += len(token_ids)
         if finish_reason is not None:
             self.finish_reason, self.error = finish_reason, error
 
@@ -77,20 +77,11 @@ class Choice:
 
     @property
     def final_text(self) -> str:
-        stop = first_stop(self.text, self.stop)
-        if stop is None:
-            return self.text
-        i, s = stop
-        return self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return self.output.final_text
 
     def new_text(self) -> str:
-        """Text not yet streamed that is safe to send (a possible stop-string start is held back)."""
-        text = self.final_text
-        if self.finish_reason is None and self.stop:
-            text = text[: len(text) - (max(map(len, self.stop)) - 1)]
-        new = text[self.emitted:]
-        self.emitted = max(self.emitted, len(text))
-        return new
+        """Text not yet streamed that is safe to send."""
+        return self.output.new_text(self.finish_reason is not None)
 
     def completion_logprobs(self, start: int, end: int, base: int = 0) -> dict:
         return {"tokens": self.pieces[start:end], "token_logprobs": self.logprobs[start:end],

@@ -46,13 +46,14 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
+from jaxserve.output_text import OutputText
 from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
 from jaxserve.step_batch import ScheduledSeq, build_step
 from jaxserve.structured_output import GrammarMatchers
 from jaxserve.sharding import canonical_sharding_for, make_mesh
-from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, Tokenizer, decode_after, first_stop
+from jaxserve.tokenizer import DECODE_CONTEXT, Tokenizer, decode_after
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,7 @@ class Engine:
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000))
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}  # requests with stop strings
-        self._stop_cut: dict[str, int] = {}  # where a stop string cut the text
+        self._texts: dict[str, OutputText] = {}  # requests with stop strings: their text, detokenized each step
         self._grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size,
                                          self.model_config.eos_token_ids)  # structured output
         self.idle = True  # the last step had nothing to run
@@ -235,7 +235,7 @@ class Engine:
             self._grammars.add(request_id, params.structured_outputs)
         self._requests[request_id] = request
         if params.stop:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+            self._texts[request_id] = OutputText(self.tokenizer, token_ids, params.stop)
         self.scheduler.add(request)
         return request_id
 
@@ -375,14 +375,12 @@ class Engine:
         """Detokenizes the requests that have stop strings (only those: no per-slot work for the
         rest) and ends those whose text now holds one."""
         finished = []
-        for request_id, detok in self._detok.items():
+        for request_id, text in self._texts.items():
             request = self._requests[request_id]
-            if request_id in self._stop_cut or len(request.output_token_ids) == detok.num_added:
+            if text.stopped or len(request.output_token_ids) == text.num_tokens:
                 continue
-            detok.add(request.output_token_ids[detok.num_added:])
-            stop = first_stop(detok.text, request.params.stop)
-            if stop is not None:
-                self._stop_cut[request_id] = stop[0]
+            text.add(request.output_token_ids[text.num_tokens:])
+            if text.stopped:
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.STOP)
                     finished.append(request)
@@ -399,8 +397,8 @@ class Engine:
     def output(self, request_id: str) -> RequestOutput:
         """The current state of a request as a RequestOutput."""
         r = self._requests[request_id]
-        if r.request_id in self._stop_cut:
-            text = self._detok[r.request_id].text[: self._stop_cut[r.request_id]]
+        if r.request_id in self._texts and self._texts[r.request_id].stopped:
+            text = self._texts[r.request_id].final_text
         else:
             text = self._decode_text(r)
         return RequestOutput(
@@ -420,8 +418,7 @@ class Engine:
         """Forgets a finished request."""
         self._requests.pop(request_id, None)
         self._grammars.remove(request_id)
-        self._detok.pop(request_id, None)
-        self._stop_cut.pop(request_id, None)
+        self._texts.pop(request_id, None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -18,7 +18,7 @@ class StartingApp:
     def __init__(self, client):
         self.client = client  # an EngineClient whose engine is starting; its `startup` is the progress
         self.app = None  # the real app, once the engine is ready
-        self.failed: str | None = None  # why the engine did not start
+        self.failed: str | None = None  # why the engine did not start, or why its restarts gave up
 
     async def __call__(self, scope, receive, send):
         if self.app is not None:
@@ -35,7 +35,7 @@ class StartingApp:
             return
         state = dict(self.client.startup)
         if self.failed:
-            message, state = f"the engine did not start: {self.failed}", {"phase": "failed"}
+            message, state = self.failed, {"phase": "failed"}  # a sentence: "the engine did not start: ..."
         elif state.get("phase") == "compiling":
             message = f"the engine is starting: compiling step programs ({state['done']} of {state['total']})"
         else:

@@ -136,11 +136,11 @@ def validity(engine: Engine, args) -> dict:
             params.append(constrained(spec, args.validity_max_tokens, 7 * i + k))
             which.append((kind, i))
     outs = engine.generate(prompts, params)
-    valid = length = 0
-    failures = []
+    valid = 0
+    failures, cut = [], []
     for (kind, i), out in zip(which, outs):
         if out.finish_reason == "length":
-            length += 1
+            cut.append({"kind": kind, "index": i, "tail": out.text[-40:]})
             continue
         try:
             if kind == "schema":
@@ -150,10 +150,10 @@ def validity(engine: Engine, args) -> dict:
             valid += 1
         except Exception as e:  # noqa: BLE001 — reported
             failures.append({"kind": kind, "index": i, "text": out.text, "error": str(e)[:200]})
-    finished = len(outs) - length
+    finished = len(outs) - len(cut)
     return {"schemas": len(SCHEMAS), "regexes": len(REGEXES), "outputs": len(outs), "finished": finished,
-            "valid": valid, "valid_share": valid / finished if finished else None, "cut_by_max_tokens": length,
-            "failures": failures}
+            "valid": valid, "valid_share": valid / finished if finished else None, "cut_by_max_tokens": len(cut),
+            "failures": failures, "cut": cut}
 
 
 def main(argv=None) -> dict:

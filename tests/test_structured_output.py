@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
+from jaxserve.batching.structured_outputs import closed_objects
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.structured_output import GrammarMatchers
 from jaxserve.tokenizer import Tokenizer
@@ -131,6 +132,30 @@ def test_llguidance_tokenizer_is_built_once_per_tokenizer_and_needs_one(tokenize
     assert GrammarMatchers(tokenizer, 160, (2,))._ll_tokenizer is first._ll_tokenizer  # another engine's
     with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
         GrammarMatchers(None, 160).add("x", StructuredOutputs(regex="a"))
+
+
+def test_objects_that_list_their_properties_are_closed():
+    inner = {"type": "object", "properties": {"z": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"properties": inner, "open": {**inner, "additionalProperties": True}},
+              "anyOf": [{"properties": {"k": {"const": {"properties": {}}}}}],
+              "allOf": [{"properties": {"b": inner}}], "$defs": {"d": inner}, "enum": [{"properties": {}}]}
+    closed_inner = {**inner, "additionalProperties": False}
+    assert closed_objects(schema) == {
+        "type": "object", "properties": {"properties": closed_inner, "open": {**inner, "additionalProperties": True}},
+        "anyOf": [{"properties": {"k": {"const": {"properties": {}}}}, "additionalProperties": False}],
+        "allOf": [{"properties": {"b": closed_inner}}],  # a branch of allOf stays open, as does its parent
+        "$defs": {"d": closed_inner}, "enum": [{"properties": {}}]}
+    assert closed_objects({"$ref": "#/$defs/d", "properties": {}}) == {"$ref": "#/$defs/d", "properties": {}}
+
+
+def test_a_schema_without_additional_properties_allows_none(tokenizer):
+    vocab = 160
+    matchers = GrammarMatchers(tokenizer, vocab, (2,))
+    matchers.add("a", StructuredOutputs(json={"type": "object", "properties": {"a": {"enum": [1]}}}))
+    for token in tokenizer.encode('{"a": 1', add_special_tokens=False):
+        assert matchers.consume("a", token)
+    mask = matchers.fill([("a", 0)], 1)  # the object can only end: no ", " for a property of the model's own
+    assert (mask[0] == bits([i for i, p in pieces(tokenizer).items() if p == "}"], vocab)).all()
 
 
 # ---- the sampler ----

@@ -15,6 +15,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON is written as json.dumps writes it, with no other whitespace: where any run of whitespace is
 # allowed, a small model can loop on spaces until max_tokens. A schema's "x-guidance" overrides it.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Keywords whose value maps names to schemas, and keywords whose value is data, not a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +77,30 @@ class StructuredOutputs:
         return self.name.replace("{kind}", self.kind)
 
 
+def closed_objects(schema, close: bool = True):
+    """The schema with `additionalProperties: false` wherever an object lists its `properties` and
+    says nothing of others, as xgrammar's strict mode (vLLM's default) and OpenAI's strict schemas
+    do: a small model given room for properties of its own invents them until max_tokens. What it
+    generates still validates against the schema as given. Schemas combined with others (`allOf`,
+    `$ref` beside `properties`) stay open, since the others may add properties."""
+    if isinstance(schema, list):
+        return [closed_objects(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _DATA:
+            closed[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(s) for name, s in value.items()}
+        else:
+            closed[key] = closed_objects(value, close=key != "allOf")
+    if close and "properties" in schema and not {"additionalProperties", "unevaluatedProperties",
+                                                 "patternProperties", "allOf", "$ref"} & schema.keys():
+        closed["additionalProperties"] = False
+    return closed
+
+
 def _compile(spec: StructuredOutputs, kind: str) -> str:
     """The llguidance grammar of a spec, checked without a tokenizer; ValueError naming the field."""
     import llguidance  # a compiled library with no jax or torch; imported only when a spec is built
@@ -81,7 +108,8 @@ def _compile(spec: StructuredOutputs, kind: str) -> str:
     field = spec.field
     try:
         if kind in ("json", "json_object"):
-            schema = spec.json if kind == "json" else '{"type": "object"}'
+            schema = json.dumps(closed_objects(json.loads(spec.json))) if kind == "json" else \
+                '{"type": "object"}'
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         elif kind == "choice":
             # Each choice is a literal: a Lark string literal is a JSON string.
