@@ -17,7 +17,8 @@ class EngineConfig:
     The KV pool holds `num_pages` pages if given, else as many as fit in `kv_cache_bytes`; left
     unset, that is 1 GiB on a CPU and, on an accelerator, `gpu_memory_utilization` of the device's
     memory less what the weights took (as vLLM's `--gpu-memory-utilization`).
-    `max_model_len=None` takes the model's context, capped at 2048.
+    `max_model_len=None` takes the model's context if the KV pool holds one sequence of it, else the
+    longest sequence it holds; an explicit `max_model_len` the pool cannot hold is a ValueError.
     """
 
     strategy: str = "paged"

@@ -36,13 +36,14 @@ import numpy as np
 
 from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutput, SamplingParams, Scheduler,
                                SchedulerConfig, make_policy)
-from jaxserve.batching.block_manager import pages_for
+from jaxserve.batching.kv_cache_manager import pages_per_sequence
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
 from jaxserve.errors import QueueFullError
 from jaxserve.kv_pool import pages_in_budget
 from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.output_text import OutputText
@@ -86,21 +87,21 @@ class Engine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
-        if self.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
+        if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
         self.backend = select_backend(config.attention_backend)
         if runner is None:
-            runner, self.kv_budget_reason = self._build_runner(weights)
+            runner, self.kv_budget_reason, self.max_model_len_reason = self._build_runner(weights)
         else:
-            self.kv_budget_reason = "the pool of the engine it was made from"
-            _check_pool_fits(config, runner.config.num_pages, self.max_model_len)
+            self.kv_budget_reason = self.max_model_len_reason = "the engine it was made from"
         self.runner = runner
+        self.max_model_len = runner.config.max_model_len
         self._reset_scheduler()
 
-    def _build_runner(self, weights) -> tuple[Runner, str]:
-        """The model on the device, then a KV pool in the memory it leaves, and their runner."""
+    def _build_runner(self, weights) -> tuple[Runner, str, str]:
+        """The model on the device, then a KV pool in the memory it leaves, and their runner; with
+        why the pool has its size and max_model_len its value."""
         config, model_config = self.config, self.model_config
         model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
         kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
@@ -108,14 +109,15 @@ class Engine:
         num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
-        _check_pool_fits(config, num_pages, self.max_model_len)
+        max_model_len, why = _resolve_max_model_len(config, model_config, num_pages)
+        log.info("max_model_len %d (%s)", max_model_len, why)
         runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
-            max_model_len=self.max_model_len, attention_backend=self.backend,
-            max_num_batched_tokens=config.step_token_budget(self.max_model_len), num_logprobs=MAX_LOGPROBS,
+            max_model_len=max_model_len, attention_backend=self.backend,
+            max_num_batched_tokens=config.step_token_budget(max_model_len), num_logprobs=MAX_LOGPROBS,
             kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled")),
             mesh=make_mesh(config.mesh) if config.mesh else None)
-        return runner, reason
+        return runner, reason, why
 
     def _reset_scheduler(self) -> None:
         """A fresh block manager and scheduler for `self.config` over the runner's pool."""
@@ -124,12 +126,14 @@ class Engine:
         if budget > self.runner.config.max_num_batched_tokens:
             raise ValueError(f"a step of {budget} tokens exceeds the compiled steps' "
                              f"{self.runner.config.max_num_batched_tokens}: build a new engine for this budget")
-        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size, config.enable_prefix_caching)
+        windows = self.runner.kv_groups.windows
+        self.blocks = BlockManager(self.runner.config.num_pages, config.page_size, config.enable_prefix_caching,
+                                   num_groups=len(windows))
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=self.max_model_len,
                             max_num_batched_tokens=budget,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            eos_token_ids=self.model_config.eos_token_ids),
+                            eos_token_ids=self.model_config.eos_token_ids, kv_group_windows=windows),
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000))
@@ -188,16 +192,14 @@ class Engine:
             f"weights {config.weights_dtype} ({why}); KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
             f"({'num_pages asked for' if config.num_pages else self.kv_budget_reason}); "
-            f"max_model_len {self.max_model_len}" + (
-                f" (the model's {self.model_config.max_position_embeddings}, capped; --max-model-len for more)"
-                if config.max_model_len is None and self.max_model_len < self.model_config.max_position_embeddings
-                else ""),
+            f"max_model_len {self.max_model_len} ({self.max_model_len_reason})",
             f"{len(runner.all_programs())} step programs: the layers per token bucket ({len(buckets.token_sizes)}, "
             f"up to {buckets.max_tokens} tokens), the output layer and sampling per row bucket "
             f"({len(buckets.row_sizes)}, up to {buckets.max_rows} sequences), from {buckets.min_rows} "
             f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if buckets.min_rows > 1 else ''}",
             f"async scheduling {'on' if config.overlaps_steps else 'off'}"
             f"{'' if config.async_scheduling is not None else ' (auto: on for accelerators only)'}",
+            _describe_groups(runner.kv_groups),
         ])
 
     @classmethod
@@ -472,6 +474,13 @@ class Engine:
         if self.idle and self.scheduler.waiting:
             time.sleep(0.0005)  # a dynamic batch is still filling: wait for its delay
 
+    def kv_group_pages(self) -> list[dict]:
+        """Per KV-cache group: its sliding window (None: full attention), and the pages its
+        sequences read (used) and keep for the prefix cache (cached). Free pages belong to none."""
+        return [{"window": window, "used_pages": used, "cached_pages": cached}
+                for window, (used, cached) in zip(self.runner.kv_groups.windows,
+                                                  map(self.blocks.group_pages, range(self.blocks.num_groups)))]
+
     def stats(self) -> dict:
         return {
             "running": len(self.scheduler.running),
@@ -480,6 +489,7 @@ class Engine:
             "cached_pages": self.blocks.cached_pages,  # unreferenced, holding a prefix-cache page
             "used_pages": self.blocks.used_pages,  # read by running requests
             "total_pages": self.blocks.total_pages,
+            "kv_groups": self.kv_group_pages(),
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,  # prompt tokens looked up
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,  # of those, found in the cache
             "num_compiles": self.runner.num_compiles,
@@ -498,12 +508,40 @@ _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_
                   "dtype", "kv_cache_dtype", "attention_backend", "mesh"}
 
 
-def _check_pool_fits(config: EngineConfig, num_pages: int, max_model_len: int) -> None:
-    """The continuous strategy reserves a whole context per sequence: the pool must hold one."""
-    pages_per_seq = pages_for(max_model_len, config.page_size)
-    if config.strategy == "continuous" and num_pages - 1 < pages_per_seq:
-        raise ValueError(f"the KV pool ({num_pages - 1} pages) cannot hold one full-context sequence "
-                         f"({pages_per_seq} pages) for the continuous strategy")
+def _describe_groups(groups) -> str:
+    """One line, e.g. `KV-cache groups: 1 full attention, 5 sliding (window 512); 3 layers per page`."""
+    kinds = collections.Counter(groups.windows)
+    parts = [f"{n} full attention" if w is None else f"{n} sliding (window {w})" for w, n in kinds.items()]
+    return f"KV-cache groups: {', '.join(parts)}; {groups.layers_per_page} layers per page"
+
+
+def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:
+    """(max_model_len, why): as asked, if the pool holds one sequence of it (else ValueError);
+    by default the model's context if the pool holds one, else the longest sequence it holds."""
+    windows, context, usable = kv_groups(model_config).windows, model_config.max_position_embeddings, num_pages - 1
+
+    def pages(length: int) -> int:
+        return pages_per_sequence(windows, config.page_size, length, config.step_token_budget(length))
+
+    def longest() -> int:  # pages() grows with the length
+        lo, hi = 0, context
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pages(mid) <= usable else (lo, mid - 1)
+        return lo
+    if config.max_model_len is not None:
+        if pages(config.max_model_len) > usable:
+            raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool: one sequence of "
+                             f"{config.max_model_len} tokens needs {pages(config.max_model_len)} pages, the pool "
+                             f"has {usable}, which hold at most {longest()} tokens")
+        return config.max_model_len, "asked for"
+    if pages(context) <= usable:
+        return context, "the model's context"
+    length = longest()
+    if length < 2:
+        raise ValueError(f"the KV pool ({usable} pages) cannot hold a sequence of 2 tokens")
+    return length, (f"the longest sequence the KV pool holds: the model's context of {context} tokens "
+                    f"needs {pages(context)} pages, the pool has {usable}")
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -55,7 +55,7 @@ _OPTIONS = (
             "what --gpu-memory-utilization leaves after the weights)", _mib),
     _Option("--gpu-memory-utilization", "gpu_memory_utilization",
             "accelerators: the share of device memory that weights and KV cache may take", float),
-    _Option("--max-model-len", "max_model_len", "context length (default: the model's, capped at 2048)"),
+    _Option("--max-model-len", "max_model_len", "context length (default: the model's, or the longest the KV pool holds)"),
     _Option("--dtype", "dtype", "weights (auto: bfloat16 where the machine has fast bfloat16 dots, else float32)", str, DTYPES),
     _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
     _Option("--max-num-batched-tokens", "max_num_batched_tokens", "token budget of one step"),

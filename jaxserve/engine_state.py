@@ -51,7 +51,7 @@ def engine_state(engine, since: int | None = None) -> dict:
             "num_tokens": r.num_tokens, "num_computed_tokens": r.num_computed_tokens,
             "num_prompt_tokens": prompt, "num_output_tokens": r.num_tokens - prompt,
             "max_tokens": r.params.max_tokens, "num_cached_tokens": r.num_cached_tokens or 0,
-            "pages": len(r.pages), "age_s": round(now - r.arrival_time, 3)}
+            "pages": len(_held(r)), "age_s": round(now - r.arrival_time, 3)}
     waiting = [{"request_id": r.request_id, "num_tokens": r.num_tokens, "wait_s": round(now - r.arrival_time, 3)}
                for _, r in zip(range(WAITING_MAX), scheduler.waiting)]
     return {
@@ -66,7 +66,7 @@ def engine_state(engine, since: int | None = None) -> dict:
         "num_waiting": len(scheduler.waiting),
         "slots": slots,
         "waiting": waiting,
-        "pages": _pages(blocks, scheduler.running),
+        "pages": {**_pages(blocks, scheduler.running), "groups": _groups(engine)},
         "history": _history(engine, since),
         "stats": engine.stats(),
     }
@@ -93,10 +93,11 @@ def _pages(blocks, running) -> dict:
 def _page_map(blocks, running) -> dict:
     readers = blocks.page_states()
     owner = np.where(readers == 0, FREE, np.where(readers < 0, CACHED, SHARED)).astype(np.int64)
-    held = [r for r in running if r.slot is not None and r.pages]
+    held = [(r.slot, _held(r)) for r in running if r.slot is not None]
+    held = [(slot, pages) for slot, pages in held if pages]
     if held:
-        pages = np.concatenate([np.asarray(r.pages, np.int64) for r in held])
-        slots = np.repeat([r.slot for r in held], [len(r.pages) for r in held])
+        pages = np.concatenate([np.asarray(p, np.int64) for _, p in held])
+        slots = np.repeat([slot for slot, _ in held], [len(p) for _, p in held])
         alone = readers[pages] == 1
         owner[pages[alone]] = slots[alone]
     owner = owner[1:]  # page 0 is the null page
@@ -109,6 +110,17 @@ def _page_map(blocks, running) -> dict:
     counts = np.diff(np.r_[starts, len(owner)])
     return {"shared": int((readers > 1).sum()), "cell": cell,
             "owners": np.stack([owner[starts], counts], axis=1).tolist()}
+
+
+def _groups(engine) -> list[dict]:
+    """Pages per KV-cache group (the free pages belong to none)."""
+    return [{"window": g["window"], "used": g["used_pages"], "cached": g["cached_pages"]}
+            for g in engine.kv_group_pages()]
+
+
+def _held(request) -> list[int]:
+    """The pages a request reads, in every KV-cache group (not the null entries a window dropped)."""
+    return [p for table in request.pages for p in table if p]
 
 
 def _history(engine, since: int | None) -> list[dict]:

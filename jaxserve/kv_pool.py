@@ -1,8 +1,9 @@
-"""The preallocated paged KV pool: K and V, each of shape [N, L, M, S, K] (every layer stacked, so
-the model scans over its layers and each layer indexes its own slice in place; kv heads lead, so a
-model-parallel split of the heads stays one contiguous block per device).
+"""The preallocated paged KV pool: K and V, each of shape [N, P, M, S, K]. A page holds the K/V of P
+layers (a KV-cache group's layers, see `jaxserve.model.kv_groups`; every layer when the model has no
+sliding window), and each layer indexes its own slot in place; kv heads lead, so a model-parallel
+split of the heads stays one contiguous block per device.
 
-L layers, N kv heads, M pages (page 0 is the null page), S page size, K head dim. A bfloat16 pool may be
+P layers per page, N kv heads, M pages (page 0 is the null page), S page size, K head dim. A bfloat16 pool may be
 stored as its bits (uint16): XLA:CPU scatters and converts bfloat16 arrays through float32 copies
 of the whole pool, while integers are scattered in place; readers reinterpret what they gather.
 """
@@ -14,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.kv_groups import kv_groups
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes one page takes across all layers, K and V."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
+    """Bytes one page takes across its P layers, K and V."""
+    layers = kv_groups(cfg).layers_per_page
+    return 2 * layers * cfg.num_kv_heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
 
 
 def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype) -> int:
@@ -32,8 +35,8 @@ def storage_dtype(dtype, as_bits: bool):
 
 
 def allocate_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> tuple:
-    """Zeroed pool (k, v), each [N, L, M, S, K] of `dtype` (a storage dtype), placed with
+    """Zeroed pool (k, v), each [N, P, M, S, K] of `dtype` (a storage dtype), placed with
     `sharding` if given."""
-    shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, kv_groups(cfg).layers_per_page, num_pages, page_size, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return zeros(), zeros()

@@ -36,6 +36,8 @@ class Metrics:
         self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "KV pages in the pool (null page excluded)",
                                     registry=r)
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_percent", "KV pages in use, percent of the pool", registry=r)
+        self.kv_group_pages = Gauge("jaxserve_kv_group_pages", "KV pages of one KV-cache group (full attention or "
+                                    "a sliding window), used or cached", ["group", "window", "state"], registry=r)
         self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", registry=r)
         self.vllm_running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
         self.vllm_kv_usage = [Gauge(name, "KV-cache usage: KV pages in use, 1 means the whole pool", registry=r)
@@ -94,6 +96,10 @@ class Metrics:
         self.kv_usage.set(100.0 * usage)
         for gauge in self.vllm_kv_usage:
             gauge.set(usage)
+        for g, group in enumerate(stats.get("kv_groups", ())):
+            window = "full" if group["window"] is None else str(group["window"])
+            for state in ("used", "cached"):
+                self.kv_group_pages.labels(group=str(g), window=window, state=state).set(group[f"{state}_pages"])
         for key, counter in (("num_compiles", self.compiles), ("num_preemptions", self.preemptions),
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
                              ("prefix_cache_hits", self.prefix_cache_hits),

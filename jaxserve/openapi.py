@@ -199,6 +199,12 @@ class WaitingRequest(_Strict):
     wait_s: float
 
 
+class GroupPages(_Strict):
+    window: int | None = Field(description="the group's sliding window; null for full attention")
+    used: int = Field(description="pages the group's sequences read")
+    cached: int = Field(description="pages of the group kept for the prefix cache")
+
+
 class PagePool(_Strict):
     total: int = Field(description="pages in the pool, the null page excluded")
     free: int
@@ -211,6 +217,9 @@ class PagePool(_Strict):
         description="run-length encoded owner of pages 1..total, cell by cell: [owner, count] pairs, where owner "
                     "is the slot reading the page, -1 free, -2 cached or -3 shared (a cell of several pages shows "
                     "its busiest: a slot before shared, cached and free)")
+    groups: list[GroupPages] = Field(
+        description="KV-cache groups: layers of one attention kind share block tables; a sliding-window group "
+                    "frees the pages its window has passed. Free pages belong to no group")
 
 
 class StepSample(_Strict):
@@ -241,7 +250,8 @@ class EngineState(_Strict):
     waiting: list[WaitingRequest] = Field(description="the first 256 waiting requests, in queue order")
     pages: PagePool
     history: list[StepSample] = Field(description="the steps after `since` (at most 1024), else the last 64")
-    stats: dict[str, int] = Field(description="Engine.stats()")
+    stats: dict[str, int | list[dict[str, int | None]]] = Field(
+        description="Engine.stats(); `kv_groups`: per KV-cache group, its window and used and cached pages")
 
 
 ENGINE_STATE_QUERY = {"parameters": [{

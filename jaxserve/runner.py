@@ -32,6 +32,7 @@ from flax import nnx
 from jaxserve import sharding
 from jaxserve.executable_cache import ExecutableCache
 from jaxserve.kv_pool import allocate_kv_pool, storage_dtype
+from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
@@ -89,6 +90,7 @@ class Runner:
         self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, self.kv_dtype, kv_sharding)
         self.slot_tokens = self._zeros_slot_tokens()  # [max_slots] each slot's last sampled token
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
+        self.kv_groups = kv_groups(model.cfg)  # a block table per group and sequence
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
         # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there.
         one_row_trap = jax.default_backend() == "cpu" and model.embed[...].dtype == jnp.bfloat16
@@ -295,8 +297,10 @@ class Runner:
         zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
         greedy = SamplingBatch(np.zeros(r * rows, np.float32), zeros(r * rows), np.ones(r * rows, np.float32),
                                np.zeros(r * rows, np.float32), np.zeros(r * rows, np.uint32))
-        meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=zeros(r * tokens), kv_lens=zeros(r * seqs),
-                            block_tables=np.zeros((r * seqs, self.pages_per_seq), np.int32),
+        groups = self.kv_groups.num_groups
+        meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=np.zeros((r * tokens, groups), np.int32),
+                            kv_lens=zeros(r * seqs),
+                            block_tables=np.zeros((r * seqs, groups, self.pages_per_seq), np.int32),
                             query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
         return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
                          np.full(r * rows, self.config.max_slots, np.int32), zeros(0))

@@ -13,7 +13,7 @@ and `RULES` maps each logical axis to a mesh axis (or to None: replicated):
       down     [F, D]        rows on model          (row-parallel out: one all-reduce)
       norms    [D] / [K]     replicated
     layers   stacked params [L, ...] and pool: the layer axis is never split
-    KV pool  [N, L, M, S, K]: kv heads on model, pages replicated over data
+    KV pool  [N, P, M, S, K] (P layers per page): kv heads on model, pages replicated over data
     step inputs  flat tokens and per-sequence metadata: one equal slice per data replica, on data
     attention    per shard (shard_map): each replica's sequences, kv heads (with their query heads) on model
     step outputs sampled tokens (and logprobs) replicated, so every host can read them
@@ -107,7 +107,7 @@ CANONICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
 }
 
-KV_POOL_AXES = ("kv_heads", "layers", "pages", "page_offset", "head_dim")  # [N, L, M, S, K]
+KV_POOL_AXES = ("kv_heads", "layers", "pages", "page_offset", "head_dim")  # [N, P, M, S, K]
 
 
 # ---- the mesh ----

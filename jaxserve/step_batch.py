@@ -5,8 +5,8 @@ the runner's compiled programs take, and the buckets that keep those shapes few.
         tokens [T]          the tokens to run, sequence after sequence (decodes first)
         token_slots [T]     for a token still on the device (sampled by the step before): the slot
                             whose last sampled token it is; -1 for tokens given here
-        meta                positions, pool slots [T]; kv_lens, block tables, query starts [S]
-                            (StepMetadata)
+        meta                positions [T], pool slots [T, G]; kv_lens, block tables [S, G, W],
+                            query starts [S] (StepMetadata; G KV-cache groups)
         logits_indices [W]  each sequence's last token: the only rows that reach the output layer
         sampling [R]        each sequence's sampling parameters
         sample_positions [R] the position of the token each sequence samples (its sampling key)
@@ -121,8 +121,8 @@ class StepBuckets:
 
 def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling: SamplingBatch,
                page_size: int, buckets: StepBuckets, replicas: int = 1) -> StepBatch:
-    """The padded arrays of one step. block_tables [slots, W] and sampling ([slots] rows) are the
-    slot table's; each sequence reads its slot's row."""
+    """The padded arrays of one step. block_tables [slots, G, W] (one table per KV-cache group) and
+    sampling ([slots] rows) are the slot table's; each sequence reads its slot's row."""
     num_slots = block_tables.shape[0]
     groups: list[list[int]] = [[] for _ in range(replicas)]
     for i, seq in enumerate(seqs):
@@ -130,12 +130,12 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
     t_size, r_size = buckets.shape(max(sum(len(seqs[i].token_ids) for i in g) for g in groups),
                                    max(len(g) for g in groups))
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
-    width = block_tables.shape[1]
+    _, num_kv_groups, width = block_tables.shape
     tokens = np.zeros(replicas * t_size, np.int32)
     positions = np.zeros(replicas * t_size, np.int32)
-    slot_mapping = np.zeros(replicas * t_size, np.int32)
+    slot_mapping = np.zeros((replicas * t_size, num_kv_groups), np.int32)
     kv_lens = np.zeros(replicas * s_size, np.int32)
-    tables = np.zeros((replicas * s_size, width), np.int32)
+    tables = np.zeros((replicas * s_size, num_kv_groups, width), np.int32)
     query_start = np.zeros(replicas * (s_size + 1), np.int32)
     num_seqs = np.zeros(replicas, np.int32)
     logits_indices = np.zeros(replicas * w_size, np.int32)
@@ -155,12 +155,12 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         seq_of_token = np.repeat(np.arange(n), lens)
         pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - (ends - lens)[seq_of_token]
         group_slots = np.fromiter((seqs[i].slot for i in group), np.int64, n)
-        rows_of_token = block_tables[group_slots[seq_of_token], pos // page_size]
+        pages_of_token = block_tables[group_slots[seq_of_token], :, pos // page_size]  # [total, G]
         tokens[t0: t0 + total] = [t for i in group for t in seqs[i].token_ids]
         sample_slots[r0: r0 + n] = np.where([seqs[i].samples for i in group], group_slots, num_slots)
         positions[t0: t0 + total] = pos
         slot_of_token[t0: t0 + total] = group_slots[seq_of_token]
-        slot_mapping[t0: t0 + total] = rows_of_token * page_size + pos % page_size
+        slot_mapping[t0: t0 + total] = pages_of_token * page_size + (pos % page_size)[:, None]
         kv_lens[s0: s0 + n] = starts + lens
         tables[s0: s0 + n] = block_tables[group_slots]
         q0 = r * (s_size + 1)

@@ -18,7 +18,9 @@ decoding; the ITL columns (inter-token latency p50, p99, max) are those of the o
 request held which slot when (prompt chunks hatched), with KV use underneath (scripts/timeline.py). `--shared-prefix-len N` gives every prompt
 the same first N tokens (then `--input-len` tokens of its own) and implies `--no-prefix-caching`.
 The "pad" column is tokens computed (bucket padding included) per real token, "hits" the share of
-prompt tokens found in the prefix cache.
+prompt tokens found in the prefix cache, "KV B/token" the KV bytes the running sequences hold per
+token of theirs (time-weighted: sliding-window layers keep only their window, so it falls as
+sequences grow).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def held_tokens(running, page_size: int) -> int:
     """Tokens held in the pool by the running requests, a page shared by several counted once."""
     filled: dict[int, int] = {}
     for r in running:
-        for i, page in enumerate(r.pages):
-            filled[page] = max(filled.get(page, 0), min(page_size, r.num_tokens - i * page_size), 0)
+        for table in r.pages:  # one per KV-cache group; 0: a page a sliding window dropped
+            for i, page in enumerate(table):
+                if page:
+                    filled[page] = max(filled.get(page, 0), min(page_size, r.num_tokens - i * page_size), 0)
     return sum(filled.values())
 
 
@@ -97,6 +101,8 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     ids: dict[int, str] = {}
     token_times: dict[str, list[float]] = {}  # when each request's tokens reached the host
     next_i, peak, kv_weighted, kv_time, late_sent = 0, 0, 0.0, 0.0, not work.late
+    page_bytes = sum(x.nbytes for x in eng.runner.kv_pool) / eng.runner.config.num_pages  # every layer, K and V
+    bytes_weighted, bytes_time = 0.0, 0.0  # KV bytes held per token of the running sequences, over time
     bar = tqdm(total=len(work.prompts), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
     profile = StepProfile(eng).__enter__()  # host time per step and device idle share
     start = time.monotonic()
@@ -144,6 +150,10 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         if reserved:
             kv_weighted += (t1 - t0) * held_tokens(running, page_size) / reserved
             kv_time += t1 - t0
+        tokens = sum(r.num_tokens for r in running)
+        if tokens:  # sliding-window groups hold only their window: fewer bytes per token as sequences grow
+            bytes_weighted += (t1 - t0) * eng.blocks.used_pages * page_bytes / tokens
+            bytes_time += t1 - t0
         bar.update(len(done))
         if eng.idle:
             time.sleep(0.0005)
@@ -173,6 +183,7 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "peak_concurrent": peak,
         "kv_utilization": kv_weighted / kv_time if kv_time else float("nan"),
+        "kv_bytes_per_token": bytes_weighted / bytes_time if bytes_time else float("nan"),
         "prefix_hit_rate": (stats["prefix_cache_hits"] - stats0["prefix_cache_hits"]) / queries if queries else 0.0,
         "padding": (stats["tokens_computed"] - stats0["tokens_computed"]) / (stats["tokens_run"] - stats0["tokens_run"]),
         "host_ms_per_step": profile.host_ms_per_step()["host"],
@@ -257,7 +268,8 @@ COLUMNS = [("strategy", "strategy", "{}"), ("req/s", "requests_per_s", "{:.2f}")
            ("TPOT mean", "tpot_mean_s", "{:.3f}"), ("TPOT p99", "tpot_p99_s", "{:.3f}"),
            ("ITL p50", "itl_p50_s", "{:.3f}"), ("ITL p99", "itl_p99_s", "{:.3f}"), ("ITL max", "itl_max_s", "{:.3f}"),
            ("E2E p50", "e2e_p50_s", "{:.2f}"), ("E2E p99", "e2e_p99_s", "{:.2f}"),
-           ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"), ("pad", "padding", "{:.3f}"),
+           ("peak seqs", "peak_concurrent", "{}"), ("KV util", "kv_utilization", "{:.1%}"),
+           ("KV B/token", "kv_bytes_per_token", "{:.0f}"), ("pad", "padding", "{:.3f}"),
            ("hits", "prefix_hit_rate", "{:.1%}"),
            ("host ms/step", "host_ms_per_step", "{:.1f}"), ("device idle", "device_idle_share", "{:.1%}"),
            ("preempt", "preemptions", "{}"), ("compiles", "compiles_during_run", "{}")]

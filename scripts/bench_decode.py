@@ -36,6 +36,7 @@ import numpy as np
 from jaxserve import Engine, EngineConfig
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
@@ -101,6 +102,9 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
                   f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
 
 
+GROUPS = 6  # KV-cache groups of the default model (Gemma 3 270M): a table per group, pages apart
+
+
 SAMPLING_TEXT = ("Once upon a time, in a small village by the sea, there lived an old clockmaker who spent his "
                  "days repairing the watches of fishermen and telling stories to the children who gathered in his shop.")
 
@@ -111,12 +115,12 @@ def model_logits(model_path: str | None, rows: int, page: int = 16) -> np.ndarra
     cfg, weights, tokenizer, _ = load_model(model_path)
     ids = tokenizer.encode(SAMPLING_TEXT)
     lengths = np.linspace(4, len(ids), rows).astype(int)
-    width = -(-len(ids) // page)
-    tables = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
+    width, groups = -(-len(ids) // page), kv_groups(cfg).num_groups
+    tables = 1 + np.arange(rows * groups * width, dtype=np.int32).reshape(rows, groups, width)  # pages apart
     greedy = SamplingBatch(*(np.zeros(rows, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
     step = build_step([ScheduledSeq(i, 0, ids[:n]) for i, n in enumerate(lengths)], tables, greedy, page,
                       StepBuckets(max_tokens=int(lengths.sum()), max_seqs=rows))
-    pool = allocate_kv_pool(cfg, 1 + rows * width, page, jnp.float32)
+    pool = allocate_kv_pool(cfg, 1 + rows * groups * width, page, jnp.float32)
     logits, _ = Transformer(cfg, weights)(jnp.asarray(step.tokens), pool, step.meta, attend=attention_fn("reference"),
                                           logits_indices=jnp.asarray(step.logits_indices))
     return np.asarray(logits)
@@ -156,9 +160,9 @@ def one_row_forms(reps: int = 20) -> dict[str, float]:
 
 def decode_step_time(engine: Engine, batch: int, context: int, reps: int) -> float:
     runner, page = engine.runner, engine.config.page_size
-    pages = -(-context // page)
-    tables = np.zeros((engine.config.max_slots, runner.pages_per_seq), np.int32)
-    tables[:batch, :pages] = 1 + np.arange(batch * pages).reshape(batch, pages)
+    pages, groups = -(-context // page), runner.kv_groups.num_groups
+    tables = np.zeros((engine.config.max_slots, groups, runner.pages_per_seq), np.int32)
+    tables[:batch, :, :pages] = 1 + np.arange(batch * groups * pages).reshape(batch, groups, pages)
     slots = engine.config.max_slots
     sampling = SamplingBatch(np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
                              np.zeros(slots, np.float32), np.zeros(slots, np.uint32))
@@ -170,11 +174,14 @@ def decode_step_time(engine: Engine, batch: int, context: int, reps: int) -> flo
 def mixed_step_time(engine: Engine, budget: int, decodes: int, context: int, reps: int) -> float:
     """A step of `decodes` decode rows at `context` tokens plus one prompt chunk of the rest of the budget."""
     runner, page, slots = engine.runner, engine.config.page_size, engine.config.max_slots
-    tables = np.zeros((slots, runner.pages_per_seq), np.int32)
+    groups = runner.kv_groups.num_groups
+    tables = np.zeros((slots, groups, runner.pages_per_seq), np.int32)
     pages = -(-context // page)
-    tables[:decodes, :pages] = 1 + np.arange(decodes * pages).reshape(decodes, pages)
+    tables[:decodes, :, :pages] = 1 + np.arange(decodes * groups * pages).reshape(decodes, groups, pages)
     chunk = budget - decodes
-    tables[decodes, : -(-chunk // page)] = 1 + decodes * pages + np.arange(-(-chunk // page))
+    chunk_pages = -(-chunk // page)
+    tables[decodes, :, :chunk_pages] = 1 + decodes * groups * pages + np.arange(groups * chunk_pages).reshape(
+        groups, chunk_pages)
     sampling = SamplingBatch(np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
                              np.zeros(slots, np.float32), np.zeros(slots, np.uint32))
     seqs = [ScheduledSeq(i, context - 1, [1000 + i]) for i in range(decodes)]
@@ -240,7 +247,8 @@ def main(argv=None) -> None:
     for dtype in args.dtypes.split(","):
         engine = Engine.from_pretrained(args.model, EngineConfig(
             dtype=dtype, max_slots=max(batches), max_num_batched_tokens=max(256, max(batches)),
-            max_model_len=max(512, args.context + 1), num_pages=1 + max(batches) * -(-args.context // 16)))
+            max_model_len=max(512, args.context + 1),
+            num_pages=1 + GROUPS * max(batches) * -(-args.context // 16)))
         peak = peak32 if engine.config.weights_dtype == "float32" else peak16
         for b in batches:
             seconds = decode_step_time(engine, b, args.context, args.reps)

@@ -37,6 +37,7 @@ from jaxserve.model.transformer import Transformer  # noqa: E402
 from jaxserve.model.weights import expected_shapes  # noqa: E402
 from jaxserve.runner import Runner, RunnerConfig  # noqa: E402
 from jaxserve.sampling import SamplingBatch  # noqa: E402
+from jaxserve.model.kv_groups import kv_groups  # noqa: E402
 from jaxserve.step_batch import ScheduledSeq, build_step  # noqa: E402
 
 MESHES = "1x1,1x2,1x4,1x8,2x4,4x2,8x1"
@@ -73,8 +74,8 @@ class Workload:
     def __init__(self, runner: Runner, prefill_batch: int, prompt_len: int, context: int, seed: int = 0):
         cfg, rc = runner.model_config, runner.config
         rng = np.random.default_rng(seed)
-        slots, pages = rc.max_slots, runner.pages_per_seq
-        self.tables = (1 + np.arange(slots * pages, dtype=np.int32)).reshape(slots, pages)
+        slots, pages, groups = rc.max_slots, runner.pages_per_seq, runner.kv_groups.num_groups
+        self.tables = (1 + np.arange(slots * groups * pages, dtype=np.int32)).reshape(slots, groups, pages)
         zeros = lambda n, dt: np.zeros(n, dt)  # noqa: E731
         self.sampling = SamplingBatch(zeros(slots, np.float32), zeros(slots, np.int32), np.ones(slots, np.float32),
                                       zeros(slots, np.float32), zeros(slots, np.uint32))
@@ -109,7 +110,8 @@ def timed(fn, reps: int) -> float:
 
 
 def build(cfg: ModelConfig, weights, mesh, args) -> Runner:
-    rc = RunnerConfig(num_pages=1 + args.slots * (-(-args.max_len // args.page_size)), page_size=args.page_size,
+    pages = args.slots * kv_groups(cfg).num_groups * -(-args.max_len // args.page_size)  # every slot's tables
+    rc = RunnerConfig(num_pages=1 + pages, page_size=args.page_size,
                       max_slots=args.slots, max_model_len=args.max_len,
                       max_num_batched_tokens=max(args.slots, args.prefill_batch * args.prompt_len))
     return Runner(Transformer(cfg, weights), rc, mesh=mesh)

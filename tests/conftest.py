@@ -64,8 +64,9 @@ def build_symbols_tokenizer(path: str) -> None:
 
 
 def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
-    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, gemma3) with a tokenizer;
-    `overrides` replace config fields (vocab_size, max_position_embeddings, ...)."""
+    """Saves a tiny random model of `kind` (llama, llama3, qwen2, qwen3, mistral, gemma2, gemma3) with a
+    tokenizer; `overrides` replace config fields (vocab_size, max_position_embeddings, sliding_window, ...).
+    Mistral, Gemma 2 and Gemma 3 have sliding windows of 8 tokens unless overridden."""
     import torch
     import transformers as tf
     torch.manual_seed(0)
@@ -84,18 +85,26 @@ def build_checkpoint(path: str, kind: str = "llama", **overrides) -> str:
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=False)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "mistral":  # every layer windowed
+        cfg = tf.MistralConfig(**{**common, "rope_theta": 10000.0, "sliding_window": 8, **overrides})
+        model = tf.MistralForCausalLM(cfg)
+    elif kind == "gemma2":  # local and global layers alternate, soft caps on
+        cfg = tf.Gemma2Config(**{**common, "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 8,
+                                 "query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0,
+                                 "final_logit_softcapping": 30.0, **overrides})
+        model = tf.Gemma2ForCausalLM(cfg)
     elif kind == "gemma3":
         layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 1
-        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, sliding_window=8,
-                                  layer_types=layer_types, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
-                                  query_pre_attn_scalar=32)
+        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8,
+                                     "layer_types": layer_types, "rope_theta": 1_000_000.0,
+                                     "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 32, **overrides})
         model = tf.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():  # random norms, so "1 + w" conventions are actually exercised
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if kind == "gemma3" else 1.0))
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if kind.startswith("gemma") else 1.0))
     model.eval().save_pretrained(path)
     build_tokenizer(path)
     return path

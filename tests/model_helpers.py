@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.sampling import SamplingBatch
@@ -34,10 +35,12 @@ def _forward(graphdef, backend, state, tokens, pool, meta):
 
 def paged_logits(model: Transformer, tokens: np.ndarray, prompt_len: int, chunk: int | None = None) -> np.ndarray:
     """Logits [len(tokens), V]: the prompt in chunks of `chunk` tokens (default: whole), then one
-    decode step per further token, through a permuted block table."""
-    pages_needed = -(-len(tokens) // PAGE)
+    decode step per further token, through a permuted block table (one per KV-cache group, pages
+    apart)."""
+    pages_needed, groups = -(-len(tokens) // PAGE), kv_groups(model.cfg).num_groups
     pool = allocate_kv_pool(model.cfg, 32, PAGE, jnp.float32)
-    table = np.random.RandomState(1).permutation(np.arange(1, 32))[:pages_needed][None].astype(np.int32)
+    table = np.random.RandomState(1).permutation(np.arange(1, 32))[:groups * pages_needed]
+    table = table.reshape(1, groups, pages_needed).astype(np.int32)
     steps = [(s, min(s + (chunk or prompt_len), prompt_len)) for s in range(0, prompt_len, chunk or prompt_len)]
     steps += [(t, t + 1) for t in range(prompt_len, len(tokens))]
     rows = []

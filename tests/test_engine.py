@@ -169,18 +169,31 @@ def test_engine_keeps_serving_after_bad_input(engine):
     assert engine.generate("fine prompt", GREEDY)[0].finish_reason == "length"
 
 
-def test_a_pool_too_small_for_the_continuous_strategy_is_refused(llama_dir):
+def test_a_max_model_len_the_pool_cannot_hold_is_refused(llama_dir):
     config = EngineConfig(max_slots=8, page_size=8, num_pages=16, max_model_len=128)
-    message = r"the KV pool \(15 pages\) cannot hold one full-context sequence \(16 pages\)"
-    with pytest.raises(ValueError, match=message):
-        Engine.from_pretrained(llama_dir, config.replace(strategy="continuous"))
-    paged = Engine.from_pretrained(llama_dir, config)
-    with pytest.raises(ValueError, match=message):
-        paged.with_strategy("continuous")
+    message = (r"max_model_len 128 does not fit the KV pool: one sequence of 128 tokens needs 16 pages, the pool "
+               r"has 15, which hold at most 120 tokens")
+    for strategy in ("continuous", "paged"):
+        with pytest.raises(ValueError, match=message):
+            Engine.from_pretrained(llama_dir, config.replace(strategy=strategy))
+    paged = Engine.from_pretrained(llama_dir, config.replace(max_model_len=120))
+    assert paged.with_strategy("continuous").max_model_len == 120
     with pytest.raises(ValueError, match="with_strategy changes scheduling only: max_slots, page_size need a new"):
         paged.with_strategy("paged", page_size=16, max_slots=4, batch_size=2)
     other = paged.with_strategy("dynamic", batch_size=2)
     assert other.runner is paged.runner and other.config.batch_size == 2 and other.tokenizer is paged.tokenizer
+
+
+def test_max_model_len_counts_what_sliding_windows_free(checkpoints):
+    path = checkpoints("gemma3")  # context 512, window 8: one full group and two sliding ones
+    config = EngineConfig(max_slots=4, page_size=8, max_num_batched_tokens=64, dtype="float32")
+    # 512 tokens: 64 pages in the full group, 10 in each sliding one (window, a step, an edge page).
+    assert Engine.from_pretrained(path, config.replace(num_pages=85)).max_model_len == 512
+    assert Engine.from_pretrained(path, config.replace(num_pages=60)).max_model_len == 312  # 39 + 10 + 10
+    message = (r"max_model_len 512 does not fit the KV pool: one sequence of 512 tokens needs 84 pages, the pool "
+               r"has 59, which hold at most 312 tokens")
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(path, config.replace(num_pages=60, max_model_len=512))
 
 
 def test_missing_model_path_is_named(tmp_path):
@@ -367,8 +380,11 @@ def test_describe_says_what_start_up_resolved(llama_dir):
     config = EngineConfig(max_slots=4, page_size=8, num_pages=64, dtype="float32")
     lines = Engine(long, weights, tokenizer, config).describe().splitlines()
     assert lines[2].startswith("weights float32 (asked for)")
+    assert lines[-1] == "KV-cache groups: 1 full attention; 2 layers per page"
     assert lines[3].startswith("KV pool 64 pages of 8 tokens")
-    assert lines[3].endswith("(num_pages asked for); max_model_len 2048 (the model's 4096, capped; "
-                             "--max-model-len for more)")
-    asked = Engine(long, weights, tokenizer, config.replace(max_model_len=4096)).describe().splitlines()
-    assert asked[3].endswith("max_model_len 4096")
+    assert lines[3].endswith("(num_pages asked for); max_model_len 504 (the longest sequence the KV pool holds: "
+                             "the model's context of 4096 tokens needs 512 pages, the pool has 63)")
+    roomy = Engine(long, weights, tokenizer, config.replace(num_pages=513)).describe().splitlines()
+    assert roomy[3].endswith("max_model_len 4096 (the model's context)")
+    asked = Engine(long, weights, tokenizer, config.replace(max_model_len=256)).describe().splitlines()
+    assert asked[3].endswith("max_model_len 256 (asked for)")

@@ -58,7 +58,7 @@ def check_against_engine(state: dict, engine) -> None:
     for r in scheduler.running:
         s = state["slots"][r.slot]
         assert (s["request_id"], s["num_tokens"], s["num_computed_tokens"], s["pages"]) == \
-            (r.request_id, r.num_tokens, r.num_computed_tokens, len(r.pages))
+            (r.request_id, r.num_tokens, r.num_computed_tokens, len(r.pages[0]))
         assert s["phase"] == ("prefill" if r.num_uncomputed_tokens > 1 else "decode")
     pages = state["pages"]
     assert (pages["total"], pages["free"], pages["cached"], pages["used"]) == \
@@ -69,7 +69,7 @@ def check_against_engine(state: dict, engine) -> None:
     assert owner.count(SHARED) == pages["shared"]
     assert sum(1 for o in owner if o >= 0) + pages["shared"] == pages["used"]
     for r in scheduler.running:
-        assert all(owner[p - 1] in (r.slot, SHARED) for p in r.pages)
+        assert all(owner[p - 1] in (r.slot, SHARED) for p in r.pages[0])
     assert state["step"] == stats["num_steps"] == engine.num_steps
     if engine.num_steps:
         assert state["history"][-1]["step"] == engine.num_steps
@@ -119,8 +119,8 @@ def test_a_large_pool_is_mapped_in_cells(monkeypatch):
     blocks = BlockManager(3 * module.MAX_CELLS + 1, 16)  # cells of 3 pages
     a, b = blocks.allocate(5), blocks.allocate(4000)  # pages 1-5 and 6-4005
     blocks.share(a[:2])
-    running = [SimpleNamespace(slot=1, pages=a), SimpleNamespace(slot=2, pages=b),
-               SimpleNamespace(slot=7, pages=a[:2]), SimpleNamespace(slot=None, pages=[])]
+    running = [SimpleNamespace(slot=1, pages=[a]), SimpleNamespace(slot=2, pages=[b]),
+               SimpleNamespace(slot=7, pages=[a[:2]]), SimpleNamespace(slot=None, pages=[])]
     pages = module._pages(blocks, running)
     assert (pages["total"], pages["used"], pages["shared"], pages["cell"]) == (3 * module.MAX_CELLS, 4005, 2, 3)
     cells = owners({"pages": pages})

@@ -27,7 +27,8 @@ def weights():
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=80, dtype="float32"))
+    # A page holds 3 of the 18 layers (6 KV-cache groups): 480 pages are the memory 80 were.
+    return Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=480, dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_greedy_generation_matches_hugging_face_up_to_first_near_tie(engine, hf_
 def test_default_dtype_tracks_float32_up_to_the_first_near_tie(engine):
     """bfloat16 weights (the default) against the float32 engine: the same greedy tokens up to the
     first position where float32's top-2 log-probability margin is under 0.1."""
-    default = Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=80))
+    default = Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=480))
     assert default.config.weights_dtype == "bfloat16"
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
     reference = engine.generate(PROMPTS, params)

@@ -153,6 +153,31 @@ def test_a_layer_of_the_stacked_pool_with_a_traced_window(kernel):
                                    atol=tol, rtol=tol)
 
 
+def drop_out_of_window(args, window, page_size=8):
+    """The case's block tables as a sliding-window KV-cache group leaves them: every page wholly
+    before its sequence's first row's window is the null page (loud garbage)."""
+    q, k, v, kv_lens, tables, query_start, num_seqs = args
+    tables, lens, starts = np.array(tables), np.asarray(kv_lens), np.asarray(query_start)
+    for s in range(int(num_seqs[0])):
+        first_row = lens[s] - (starts[s + 1] - starts[s])
+        tables[s, : max(0, first_row - window + 1) // page_size] = 0
+    return q, k, v, kv_lens, jnp.asarray(tables), query_start, num_seqs
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("window", [5, 13])
+def test_pages_before_the_window_on_the_null_page_are_never_read(kernel, window):
+    """Decode rows and chunks that straddle the window's edge, over tables whose pages before the
+    window point to the null page: kernels, reference and oracle agree, and no garbage leaks."""
+    seqs = [(6, 10), (16, 5), (20, 1), (40, 1), (30, 12), (25, 3)]
+    args = drop_out_of_window(bucketed(100 + window, seqs), window)
+    assert (np.asarray(args[4])[: len(seqs), :2] == 0).sum() >= 4  # pages were dropped
+    out = run(kernel, args, sliding_window=window)
+    assert np.abs(out).max() < NULL_PAGE_VALUE / 5
+    ref = np.asarray(_reference(*args, sliding_window=window), np.float64)
+    np.testing.assert_allclose(ref, oracle(*args, sliding_window=window), atol=TOL["float32"], rtol=TOL["float32"])
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_soft_cap_scale_and_window_together(kernel, dtype):

@@ -100,7 +100,7 @@ def test_a_page_hit_by_an_admission_is_never_evicted_for_it():
     b = req("b", list(range(1, 9)) + [77, 78, 79, 80, 81], max_tokens=2)  # a's first 2 pages, then 2 new ones
     sched.add(b)
     assert run_step(sched) == {"b": 5}
-    assert b.pages == [1, 2, 3, 5]  # the hits 1 and 2 were the 2nd and 3rd oldest: 3 and 5 were evicted instead
+    assert b.pages == [[1, 2, 3, 5]]  # the hits 1 and 2 were the 2nd and 3rd oldest: 3 and 5 were evicted instead
     assert blocks.lookup(b.page_hashes[:2]) == [1, 2] and blocks.lookup([hash_page(ROOT, [50, 51, 52, 53], None)]) == [4]
 
 
@@ -125,7 +125,7 @@ def test_admission_starts_after_the_cached_pages_and_counts_queries_and_hits():
     sched.add(req("b", list(range(1, 9)) + [40, 41, 42]))  # a's first 2 pages, then its own tokens
     assert run_step(sched) == {"b": 3}
     b = sched.running[0]
-    assert b.num_cached_tokens == 8 and b.pages[:2] == [1, 2]
+    assert b.num_cached_tokens == 8 and b.pages[0][:2] == [1, 2]
     assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (12 + 11, 8)
 
 
@@ -176,11 +176,11 @@ def test_preemption_and_abort_while_pages_are_shared():
     sched.add(req("c", prefix + [40, 41], max_tokens=10))
     assert run_step(sched) == {"a": 1, "b": 2, "c": 2}
     a, b, c = sched.running
-    assert a.pages[:2] == b.pages[:2] == c.pages[:2] and blocks._refs[a.pages[0]] == 3
+    assert a.pages[0][:2] == b.pages[0][:2] == c.pages[0][:2] and blocks._refs[a.pages[0][0]] == 3
     while not sched.num_preemptions:  # decoding fills pages until one has to go
         run_step(sched)
-    assert c.status.value == "waiting" and c.pages == [] and blocks._refs[a.pages[0]] == 2  # shared pages stay
-    assert sched.abort("a").pages == [] and blocks._refs[b.pages[0]] == 1
+    assert c.status.value == "waiting" and c.pages == [] and blocks._refs[a.pages[0][0]] == 2  # shared pages stay
+    assert sched.abort("a").pages == [] and blocks._refs[b.pages[0][0]] == 1
     run_all(sched)
     assert [len(r.output_token_ids) for r in (b, c)] == [10, 10] and c.num_preemptions == 1
     assert_idle(blocks)

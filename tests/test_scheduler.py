@@ -61,8 +61,8 @@ def test_paged_admits_as_many_as_pages_allow():
     s = sched.schedule()
     assert tokens(s) == {"a": 5, "b": 8, "c": 4, "d": 3} and ids(s.admitted) == ["a", "b", "c", "d"]
     assert blocks.free_pages == 2
-    assert [r.pages for r in s.admitted] == [[1, 2], [3, 4], [5], [6]]
-    assert sched.table.block_tables[s.admitted[1].slot, :2].tolist() == [3, 4]
+    assert [r.pages for r in s.admitted] == [[[1, 2]], [[3, 4]], [[5]], [[6]]]  # one KV-cache group
+    assert sched.table.block_tables[s.admitted[1].slot, 0, :2].tolist() == [3, 4]
 
 
 def test_paged_stops_admitting_when_pages_run_out():

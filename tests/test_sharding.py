@@ -22,10 +22,11 @@ MESHES = ["1x1", "1x2", "1x4", "1x8", "2x4", "4x2", "8x1"]  # data x model
 PROMPT_LENGTHS = (3, 9, 17, 5, 12, 1)
 
 
-def tiny_config(num_heads=16, num_kv_heads=8, head_dim=8):
+def tiny_config(num_heads=16, num_kv_heads=8, head_dim=8, layer_windows=None):
     from jaxserve.model.config import ModelConfig
     return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=128)
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=128,
+                       layer_windows=layer_windows)
 
 
 def tiny_weights(cfg, seed=0):
@@ -97,6 +98,15 @@ def test_pallas_kernel_runs_per_shard():
     assert run_check("generate", "2x4", "pallas", "16")["tokens"] == expected
 
 
+def test_a_sliding_window_layer_reads_its_own_groups_tables_per_shard():
+    """A local layer (window 4) and a global one: two KV-cache groups, each layer's block tables
+    picked from the step's [sequences, groups, width] inside the sharded step."""
+    from jaxserve import Engine
+    cfg = tiny_config(layer_windows=(4, None))
+    expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
+    assert run_check("generate", "2x4", "reference", "8", "4")["tokens"] == expected
+
+
 def test_bad_meshes_raise_clear_errors():
     run_check("bad_meshes")
 
@@ -124,9 +134,9 @@ def test_orbax_save_then_restore_under_another_mesh(tmp_path, reference_tokens):
 
 # ---- the checks, run in the subprocess ----
 
-def check_generate(shape: str, backend: str = "reference", head_dim: str = "8") -> dict:
+def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", window: str = "") -> dict:
     from jaxserve import Engine
-    cfg = tiny_config(head_dim=int(head_dim))
+    cfg = tiny_config(head_dim=int(head_dim), layer_windows=(int(window), None) if window else None)
     engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)).replace(attention_backend=backend))
     assert engine.runner.config.attention_backend == backend
     tokens = generate(engine)
@@ -180,7 +190,7 @@ def check_layouts() -> dict:
     assert layer["attn"]["out"][...].sharding.spec == P(None, "model", None)
 
     def check_pool():
-        for a in runner.kv_pool:  # [N, L, M, S, K]: kv heads split 4 ways, layers and pages whole
+        for a in runner.kv_pool:  # [N, P, M, S, K]: kv heads split 4 ways, layers and pages whole
             assert a.sharding.spec == P("model", None, None, None, None), a.sharding
             assert shard_shapes(a) == {(8 // 4, layers, 64, 8, 8)}
     check_pool()

@@ -9,6 +9,11 @@ New pages come from the free pages first, then from the cached ones in least-rec
 (evicting one drops its hash). A sequence returns its pages tail first, so a chain's tail is
 evicted before its head, and a cached page that gains a reader leaves the evictable set at once.
 Page 0 is the null page: never handed out, it is where padding reads and writes.
+
+One pool serves every KV-cache group (`jaxserve.model.kv_groups`): a page belongs to the group
+that allocated it until it is free again, its content hash is looked up per group (the same
+tokens are different K/V in another group's layers), and used and cached pages are counted per
+group. Free pages belong to no group.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class BlockManager:
     """Hands out pages and keeps the prefix cache: content hash -> page."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True, num_groups: int = 1):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size <= 0:
@@ -35,11 +40,15 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
+        self.num_groups = num_groups
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
         self._refs = [0] * num_pages
-        self._page_of: dict[bytes, int] = {}  # content hash -> cached or used page holding it
-        self._hash_of: dict[int, bytes] = {}  # and back
+        self._group = [0] * num_pages  # the group a used or cached page belongs to
+        self._page_of: dict[tuple[int, bytes], int] = {}  # (group, content hash) -> cached or used page
+        self._hash_of: dict[int, tuple[int, bytes]] = {}  # and back
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
+        self._used_in = [0] * num_groups  # used pages per group
+        self._cached_in = [0] * num_groups  # cached pages per group
 
     @property
     def total_pages(self) -> int:
@@ -58,6 +67,10 @@ class BlockManager:
     def used_pages(self) -> int:
         return self.total_pages - self.free_pages - self.cached_pages
 
+    def group_pages(self, group: int) -> tuple[int, int]:
+        """(used, cached) pages of one group."""
+        return self._used_in[group], self._cached_in[group]
+
     def page_states(self) -> np.ndarray:
         """Per page, the null page first: how many sequences read it (0: free), or -1 for a cached
         page. For dashboards: a copy, built in a few ms for 300k pages."""
@@ -74,8 +87,9 @@ class BlockManager:
         kept = sum(1 for p in keeping if p in self._evictable)
         return n <= len(self._free) + len(self._evictable) - kept
 
-    def allocate(self, n: int) -> list[int]:
-        """n pages, each with one reference: free pages first, then the least recently used cached ones."""
+    def allocate(self, n: int, group: int = 0) -> list[int]:
+        """n pages for `group`, each with one reference: free pages first, then the least recently
+        used cached ones (of any group)."""
         if not self.can_allocate(n):
             raise RuntimeError(f"asked for {n} KV pages, only {len(self._free) + len(self._evictable)} available")
         pages = []
@@ -85,8 +99,11 @@ class BlockManager:
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._page_of[self._hash_of.pop(page)]
+                self._cached_in[self._group[page]] -= 1
             self._refs[page] = 1
+            self._group[page] = group
             pages.append(page)
+        self._used_in[group] += n
         return pages
 
     def share(self, pages: Iterable[int]) -> None:
@@ -94,7 +111,10 @@ class BlockManager:
         for p in pages:
             if self._refs[p] == 0 and p not in self._evictable:
                 raise RuntimeError(f"page {p} holds nothing to share")
-            self._evictable.pop(p, None)
+            if p in self._evictable:  # a cached page is read again
+                del self._evictable[p]
+                self._cached_in[self._group[p]] -= 1
+                self._used_in[self._group[p]] += 1
             self._refs[p] += 1
 
     def free(self, pages: Iterable[int]) -> None:
@@ -105,30 +125,37 @@ class BlockManager:
                 raise RuntimeError(f"page {p} is not allocated")
             self._refs[p] -= 1
             if self._refs[p] == 0:
+                self._used_in[self._group[p]] -= 1
                 if p in self._hash_of:
                     self._evictable[p] = None
+                    self._cached_in[self._group[p]] += 1
                 else:
                     self._free.append(p)
 
     # ---- the prefix cache ----
 
-    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
-        """The pages holding the longest run of `hashes` from the first (no side effects)."""
+    def lookup(self, hashes: Iterable[bytes], group: int = 0) -> list[int]:
+        """The pages of `group` holding the longest run of `hashes` from the first (no side effects)."""
         pages = []
         for h in hashes:
-            page = self._page_of.get(h)
+            page = self._page_of.get((group, h))
             if page is None:
                 break
             pages.append(page)
         return pages
 
-    def cache(self, page: int, content_hash: bytes) -> None:
-        """Records that a used page now holds the full page `content_hash`. A hash already held
-        by another page keeps that page; this one stays unhashed and is freed as usual."""
-        if not self.enable_caching or page in self._hash_of or content_hash in self._page_of:
+    def cached_page(self, content_hash: bytes, group: int = 0) -> int | None:
+        """The page of `group` holding `content_hash`, if any (no side effects)."""
+        return self._page_of.get((group, content_hash))
+
+    def cache(self, page: int, content_hash: bytes, group: int = 0) -> None:
+        """Records that a used page of `group` now holds the full page `content_hash`. A hash
+        already held by another page keeps that page; this one stays unhashed and is freed as usual."""
+        key = (group, content_hash)
+        if not self.enable_caching or page in self._hash_of or key in self._page_of:
             return
-        self._page_of[content_hash] = page
-        self._hash_of[page] = content_hash
+        self._page_of[key] = page
+        self._hash_of[page] = key
 
     def reset_prefix_cache(self) -> None:
         """Forgets every content hash, for when the pool's K/V are gone (a fresh pool after a
@@ -137,3 +164,4 @@ class BlockManager:
         self._evictable.clear()
         self._page_of.clear()
         self._hash_of.clear()
+        self._cached_in = [0] * self.num_groups

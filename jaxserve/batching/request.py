@@ -32,7 +32,8 @@ class Request:
     chunk, and a sequence decodes once only its last sampled token is left to compute. A token
     sampled by a step whose results have not reached the host yet is pending: it counts in
     `num_tokens` (the next step can already compute it, from the device) but is not in
-    `output_token_ids`; `stopping` marks a request whose pending token is its last. `page_hashes`
+    `output_token_ids`; `stopping` marks a request whose pending token is its last. `pages` holds
+    one block table per KV-cache group (see `kv_cache_manager`), empty while it holds none. `page_hashes`
     are the content hashes of its full pages (prefix caching), `cache_salt` keeps tenants apart.
     `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
     caller gave none. `group` ties the prompts of one client payload together (static batching).
@@ -50,7 +51,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     slot: int | None = None
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[list[int]] = dataclasses.field(default_factory=list)  # per group: page ids, 0 out of its window
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     stopping: bool = False

@@ -11,8 +11,10 @@ reach the host; `commit` then appends those tokens and retires finished sequence
 slots and pages (`update` does both, for a step run in order).
 
 The strategy decides who is admitted; the budget decides how many tokens run. Admission takes
-pages for the whole prompt at once, so a prefill in progress never waits for memory; with chunked
-prefill off, a prompt runs whole in one step.
+pages for the whole prompt at once in full-attention groups; sliding-window groups take only what
+a step can reach and free what their window left behind, every step (`kv_cache_manager`), so a
+long prefill may wait for (or be preempted for) their few new pages. With chunked prefill off, a
+prompt runs whole in one step.
 
 Prefix caching: admission looks the prompt's leading full pages up by content hash; each hit is
 shared (one more reader) and the prefill starts after it, but the last prompt token is always
@@ -38,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.batching.block_manager import BlockManager, pages_for
+from jaxserve.batching.kv_cache_manager import KVCacheManager
 from jaxserve.batching.page_hash import ROOT, hash_page
 from jaxserve.batching.policies import Policy
 from jaxserve.batching.request import FinishReason, Request, RequestStatus
@@ -50,6 +53,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # the token budget of one step
     enable_chunked_prefill: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    kv_group_windows: tuple[int | None, ...] = (None,)  # per KV-cache group: its sliding window, None: full
 
     def __post_init__(self):
         if self.max_num_batched_tokens < self.max_slots:
@@ -80,10 +84,10 @@ class Schedule:
 
 
 class SlotTable:
-    """Per-slot host arrays: block table rows and sampling parameters."""
+    """Per-slot host arrays: block table rows (one per KV-cache group) and sampling parameters."""
 
-    def __init__(self, max_slots: int, pages_per_seq: int):
-        self.block_tables = np.zeros((max_slots, pages_per_seq), np.int32)  # 0: the null page
+    def __init__(self, max_slots: int, pages_per_seq: int, num_groups: int = 1):
+        self.block_tables = np.zeros((max_slots, num_groups, pages_per_seq), np.int32)  # 0: the null page
         self.temperature = np.zeros(max_slots, np.float32)
         self.top_k = np.zeros(max_slots, np.int32)
         self.top_p = np.ones(max_slots, np.float32)
@@ -95,7 +99,11 @@ class SlotTable:
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[slot] = request.seed
-        self.block_tables[slot, : len(request.pages)] = request.pages
+        self.set_pages(slot, request)
+
+    def set_pages(self, slot: int, request: Request) -> None:
+        for g, pages in enumerate(request.pages):
+            self.block_tables[slot, g, : len(pages)] = pages
 
     def clear(self, slot: int) -> None:
         self.block_tables[slot] = 0
@@ -109,8 +117,9 @@ class Scheduler:
         self.blocks = blocks
         self.policy = policy
         self.clock = clock
+        self.kv = KVCacheManager(blocks, config.kv_group_windows, config.max_num_batched_tokens)
         self.pages_per_seq = pages_for(config.max_model_len, blocks.page_size)
-        self.table = SlotTable(config.max_slots, self.pages_per_seq)
+        self.table = SlotTable(config.max_slots, self.pages_per_seq, self.kv.num_groups)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
@@ -161,12 +170,17 @@ class Scheduler:
         return tokens
 
     def _grow_running(self) -> list[Request]:
-        """Gives each running sequence the pages its tokens need; preempts the newest when out."""
+        """Frees what sliding windows left behind, then gives each running sequence the pages its
+        tokens need; preempts the newest when out."""
+        for request in self.running:
+            if self.kv.drop_out_of_window(request):
+                self.table.set_pages(request.slot, request)
         preempted = []
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.stopping:
                 continue  # preempted earlier in this loop, or its last token is sampled
-            needed = pages_for(request.num_tokens, self.blocks.page_size) - len(request.pages)
+            needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens,
+                                          request.num_tokens)
             while needed > 0 and not self.blocks.can_allocate(needed):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -174,7 +188,8 @@ class Scheduler:
                 if victim is request:
                     break
             if needed > 0 and request.status is RequestStatus.RUNNING:
-                self._add_pages(request, self.blocks.allocate(needed))
+                self.kv.grow(request, request.num_tokens)
+                self.table.set_pages(request.slot, request)
         return preempted
 
     def _admit(self) -> list[Request]:
@@ -183,13 +198,14 @@ class Scheduler:
         page_size = self.blocks.page_size
         while allowed > 0 and self.waiting and self._free_slots:
             request = self.waiting.popleft()
-            hits, hashes = self._cache_hits(request)
-            if self.policy.waits_for_shared_prefix and len(hits) < len(hashes) and hashes[len(hits)] in self._computing:
+            hit, tables, hashes = self._cache_hits(request)
+            if self.policy.waits_for_shared_prefix and hit < len(hashes) and hashes[hit] in self._computing:
                 held_back.append(request)  # its next page is being computed: take it from the cache later
                 continue
             tokens = self.config.max_model_len if self.policy.reserve_full_context else request.num_tokens
-            needed = pages_for(tokens, page_size) - len(hits)
-            if not self.blocks.can_allocate(needed, keeping=hits):
+            needed = self.kv.pages_to_add([hit] * self.kv.num_groups, hit * page_size, tokens)
+            shared = [p for table in tables for p in table if p]
+            if not self.blocks.can_allocate(needed, keeping=shared):
                 self.waiting.appendleft(request)
                 break
             request.status = RequestStatus.RUNNING
@@ -197,15 +213,15 @@ class Scheduler:
             if request.admit_time is None:
                 request.admit_time = self.clock()
             self.running.append(request)
-            self.blocks.share(hits)
-            self._add_pages(request, hits + self.blocks.allocate(needed))
-            request.num_computed_tokens = request.num_cached_pages = len(hits)
-            request.num_computed_tokens *= page_size
+            self.blocks.share(shared)
+            request.pages = tables
+            request.num_computed_tokens, request.num_cached_pages = hit * page_size, hit
+            self.kv.grow(request, tokens)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = request.num_computed_tokens
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += request.num_computed_tokens
-            for h in hashes[len(hits):]:
+            for h in hashes[hit:]:
                 self._computing.setdefault(h, request)
             self.table.fill(request.slot, request)
             admitted.append(request)
@@ -213,13 +229,14 @@ class Scheduler:
         self.waiting.extendleft(reversed(held_back))
         return admitted
 
-    def _cache_hits(self, request: Request) -> tuple[list[int], list[bytes]]:
-        """The cached pages of the request's prompt and the hashes of the pages that may be looked
-        up: the full pages before its last token (which is always computed)."""
+    def _cache_hits(self, request: Request) -> tuple[int, list[list[int]], list[bytes]]:
+        """The leading pages of the request's prompt found in the cache, each group's block table
+        for them, and the hashes of the pages that may be looked up: the full pages before its
+        last token (which is always computed)."""
         if not self.blocks.enable_caching:
-            return [], []
+            return 0, [[] for _ in range(self.kv.num_groups)], []
         hashes = self._page_hashes(request, (request.num_tokens - 1) // self.blocks.page_size)
-        return self.blocks.lookup(hashes), hashes
+        return *self.kv.cache_hits(hashes), hashes
 
     def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
         """The request's first `num_pages` page hashes (computed once, kept on the request)."""
@@ -236,22 +253,15 @@ class Scheduler:
         full = known // self.blocks.page_size
         if not self.blocks.enable_caching or full <= request.num_cached_pages:
             return
-        for i, h in enumerate(self._page_hashes(request, full)[request.num_cached_pages:], request.num_cached_pages):
-            self.blocks.cache(request.pages[i], h)
+        hashes = self._page_hashes(request, full)
+        self.kv.cache_pages(request, hashes, request.num_cached_pages)
+        for h in hashes[request.num_cached_pages:]:
             if self._computing.get(h) is request:
                 del self._computing[h]
         request.num_cached_pages = full
 
-    def _add_pages(self, request: Request, pages: list[int]) -> None:
-        start = len(request.pages)
-        request.pages.extend(pages)
-        if request.slot is not None:
-            self.table.block_tables[request.slot, start: start + len(pages)] = pages
-
     def _release(self, request: Request) -> None:
-        if request.pages:
-            self.blocks.free(reversed(request.pages))  # tail first: evicted before the head
-            request.pages = []
+        self.kv.release(request)
         for h in request.page_hashes:
             if self._computing.get(h) is request:
                 del self._computing[h]

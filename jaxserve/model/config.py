@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-FAMILIES = ("llama", "gemma3")
+FAMILIES = ("llama", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("linear", "llama3")
 
@@ -107,12 +107,15 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type in ("gemma3", "gemma3_text"):
             return _gemma3_from_hf(hf.get("text_config", hf))
+        if model_type == "gemma2":
+            return _gemma2_from_hf(hf)
         if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"model_type {model_type!r} is not supported "
-                             "(supported: llama, mistral, qwen2, qwen3, gemma3_text)")
+                             "(supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text)")
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hidden // heads
+        # Mistral: one window for every layer. (Hugging Face's Llama ignores a `sliding_window` key.)
         window = hf.get("sliding_window") if model_type == "mistral" else None
         if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
             raise ValueError("Qwen sliding-window attention (use_sliding_window=true) is not supported")
@@ -178,6 +181,20 @@ def _gemma3_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         eos_token_ids=_as_tuple(hf.get("eos_token_id", 1)),
         pad_token_id=hf.get("pad_token_id", 0),
     )
+
+
+def _gemma2_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Gemma 2: Gemma 3's layers without QK-norm, one RoPE base, soft-capped attention and logits,
+    and local and global layers alternating (local first)."""
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    base = _gemma3_from_hf({**hf, "layer_types": layer_types, "sliding_window": hf.get("sliding_window", 4096),
+                            "rope_local_base_freq": _rope_theta(hf, 10000.0), "rope_theta": _rope_theta(hf, 10000.0),
+                            "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),
+                            "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
+                            "max_position_embeddings": hf.get("max_position_embeddings", 8192)})
+    return base.replace(family="gemma2", qk_norm=False)
 
 
 def _rope_theta(hf: Mapping[str, Any], default: float) -> float:

@@ -1,5 +1,5 @@
 """Hugging Face checkpoint directories: config.json plus *.safetensors, mapped onto the canonical
-weight names of `jaxserve.model.weights` (Llama, Mistral, Qwen2, Qwen3 and Gemma 3 text)."""
+weight names of `jaxserve.model.weights` (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 text)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def load_hf_checkpoint(path: str, dtype: str = "float32") -> tuple[ModelConfig, 
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    gemma = cfg.family == "gemma3"
+    gemma = cfg.family in ("gemma2", "gemma3")
     weights: dict[str, np.ndarray] = {}
     for file in files:
         with safe_open(file, framework="flax") as f:

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig, RopeScaling
-from jaxserve.model.paged_attention import Attend, StepMetadata, write_kv
+from jaxserve.model.kv_groups import kv_groups
+from jaxserve.model.paged_attention import Attend, StepMetadata, for_group, write_kv
 from jaxserve.pallas_kernels.ragged_reference import NO_WINDOW
 
 
@@ -80,7 +81,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
 class LayerConstants:
     """What one layer of a scan knows of itself (each field stacked [L, ...] for the scan)."""
 
-    index: jax.Array  # int32: the layer's slice of the KV pool
+    index: jax.Array  # int32: the layer's slot in a page of the KV pool
+    group: jax.Array  # int32: its KV-cache group (whose block tables it reads)
     window: jax.Array  # int32: its sliding window, NO_WINDOW for a global layer
     inv_freq: jax.Array  # [K/2] float32: its RoPE frequencies (local and global layers differ)
 
@@ -88,7 +90,8 @@ class LayerConstants:
     def stacked(cls, cfg: ModelConfig) -> "LayerConstants":
         freqs = [rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling if window is None else None)
                  for theta, window in zip(cfg.layer_rope_thetas, cfg.layer_windows)]
-        return cls(index=np.arange(cfg.num_layers, dtype=np.int32),
+        groups = kv_groups(cfg)
+        return cls(index=np.array(groups.layer_slot, np.int32), group=np.array(groups.layer_group, np.int32),
                    window=np.array([NO_WINDOW if w is None else w for w in cfg.layer_windows], np.int32),
                    inv_freq=np.stack(freqs).astype(np.float32))
 
@@ -128,7 +131,7 @@ class Attention(nnx.Module):
         self.soft_cap = cfg.attn_logit_softcap
 
     def __call__(self, x, kv, layer: LayerConstants, meta: StepMetadata, attend: Attend):
-        """x: [T, D]; kv: (k [N, L, M, S, K], v). Returns ([T, D], kv)."""
+        """x: [T, D]; kv: (k [N, P, M, S, K], v). Returns ([T, D], kv)."""
         t = x.shape[0]
         h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = dense(x, self.qkv[...])
@@ -141,6 +144,7 @@ class Attention(nnx.Module):
             q, key = self.q_norm(q), self.k_norm(key)
         q = apply_rope(q, meta.positions, layer.inv_freq)
         key = apply_rope(key, meta.positions, layer.inv_freq)
+        meta = for_group(meta, layer.group)
         k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping, layer.index)
         out = attend(q, k_pool, v_pool, layer.index, meta, sm_scale=self.scale, sliding_window=layer.window,
                      soft_cap=self.soft_cap)

@@ -9,8 +9,9 @@ layer is compiled with the sampler, per row count, and the layers per token coun
 The layers are one `DecoderLayer` whose parameters are stacked [L, ...], run by `lax.scan` with
 the pool in the carry: XLA compiles one layer, not L (Gemma 3 270M's step compiled in a third of
 the time), and what differs between layers (sliding window or not, RoPE base) comes in as
-`LayerConstants` arrays. Each layer writes and reads its own slice of the stacked pool in place.
-Legend: T tokens, R rows whose logits are wanted, L layers, D hidden, V vocab.
+`LayerConstants` arrays. Each layer writes and reads its own slot of the pool's pages in place,
+through its KV-cache group's block tables (`jaxserve.model.kv_groups`).
+Legend: T tokens, R rows whose logits are wanted, L layers, P layers per page, D hidden, V vocab.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jaxserve.model.layers import MLP, Attention, LayerConstants, RMSNorm, dense
 from jaxserve.model.paged_attention import Attend, StepMetadata
 from jaxserve.model.weights import check_weights
 
-KVPool = tuple  # (k [N, L, M, S, K], v [N, L, M, S, K])
+KVPool = tuple  # (k [N, P, M, S, K], v [N, P, M, S, K])
 
 
 class DecoderLayer(nnx.Module):

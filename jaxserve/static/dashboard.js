@@ -81,6 +81,10 @@ function render(state, now) {
   const pages = state.pages;
   pool.update(pages, state.slots);
   for (const name of ["used", "cached", "shared", "free", "total"]) $(`pages-${name}`).textContent = pages[name];
+  // Per KV-cache group: a sliding-window group keeps only its window, the full group every page.
+  $("pages-groups").textContent = (pages.groups ?? []).map((g, i) =>
+    `group ${i} (${g.window === null ? "full attention" : `window ${g.window}`}): used ${g.used} · cached ${g.cached}`,
+  ).join("  |  ");
   $("pages-summary").textContent = `${pages.total} pages of ${pages.page_size} tokens · ` +
     `${((100 * pages.used) / Math.max(1, pages.total)).toFixed(1)}% used` +
     (pages.cell > 1 ? ` · a square per ${pages.cell} pages` : "");
