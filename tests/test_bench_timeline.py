@@ -4,15 +4,10 @@ one panel per run, and each run's timeline is what its strategy does (one slot a
 
 from __future__ import annotations
 
-import os
-import sys
-
 import matplotlib.image
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-
-import bench_batching  # noqa: E402
+from jaxserve.bench import batching as bench_batching
 
 STRATEGIES = ["none", "static", "dynamic", "continuous", "paged"]
 REQUESTS = 6
