@@ -4,8 +4,9 @@ params and KV pool, kv heads that do not divide the model axis, and an Orbax sav
 meshes.
 
 The device count of jax's CPU backend is fixed when the backend starts, and other test modules start
-it first with one device, so each check here runs in a fresh subprocess (this file with `--check`)
-with `--xla_force_host_platform_device_count=8`; the parent computes single-device references.
+it first with one device, so the checks run in a fresh subprocess (this file with `--checks`, all of
+them in one process: one jax start) with `--xla_force_host_platform_device_count=8`; the parent
+computes single-device references.
 """
 
 from __future__ import annotations
@@ -55,15 +56,33 @@ def generate(engine) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
-# ---- the parent: one subprocess per check ----
+# ---- the parent: one subprocess runs every check ----
 
-def run_check(*args) -> dict:
+def check_list(hf_llama: str, tmp: str) -> list[list[str]]:
+    """Every check, as [name, *args]: one jax start for all of them, not one each."""
+    return ([["generate", shape] for shape in MESHES] +
+            [["layouts"], ["replicated_kv"], ["generate", "2x4", "pallas", "16"],
+             ["generate", "2x4", "reference", "8", "4"], ["bad_meshes"], ["from_disk", hf_llama, *MESHES],
+             ["orbax", tmp]])
+
+
+@pytest.fixture(scope="module")
+def checks(hf_llama, tmp_path_factory) -> dict:
+    """{" ".join(check): its result, or {"error": its traceback}} from one subprocess with 8 devices."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, "--check", *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, f"check {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    todo = check_list(hf_llama, str(tmp_path_factory.mktemp("orbax")))
+    proc = subprocess.run([sys.executable, __file__, "--checks", json.dumps(todo)], env=env, capture_output=True,
+                          text=True, timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, f"the checks' process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_check(checks: dict, *args) -> dict:
+    """The result of one check, which must not have raised."""
+    result = checks[" ".join(args)]
+    assert "error" not in result, f"check {args} failed:\n{result.get('error')}"
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -74,41 +93,41 @@ def reference_tokens():
 
 
 @pytest.mark.parametrize("shape", MESHES)
-def test_greedy_tokens_match_one_device(shape, reference_tokens):
-    got = run_check("generate", shape)
+def test_greedy_tokens_match_one_device(checks, shape, reference_tokens):
+    got = run_check(checks, "generate", shape)
     assert got["tokens"] == reference_tokens
     assert got["compiles_added_by_repeat"] == 0
 
 
-def test_params_and_kv_pool_are_sharded_as_specified():
-    run_check("layouts")
+def test_params_and_kv_pool_are_sharded_as_specified(checks):
+    run_check(checks, "layouts")
 
 
-def test_kv_heads_that_do_not_divide_the_model_axis_are_replicated():
+def test_kv_heads_that_do_not_divide_the_model_axis_are_replicated(checks):
     from jaxserve import Engine
     cfg = tiny_config(num_heads=8, num_kv_heads=2)
     expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
-    assert run_check("replicated_kv")["tokens"] == expected
+    assert run_check(checks, "replicated_kv")["tokens"] == expected
 
 
-def test_pallas_kernel_runs_per_shard():
+def test_pallas_kernel_runs_per_shard(checks):
     from jaxserve import Engine
     cfg = tiny_config(head_dim=16)  # the Triton-style kernel's smallest head_dim
     expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
-    assert run_check("generate", "2x4", "pallas", "16")["tokens"] == expected
+    assert run_check(checks, "generate", "2x4", "pallas", "16")["tokens"] == expected
 
 
-def test_a_sliding_window_layer_reads_its_own_groups_tables_per_shard():
+def test_a_sliding_window_layer_reads_its_own_groups_tables_per_shard(checks):
     """A local layer (window 4) and a global one: two KV-cache groups, each layer's block tables
     picked from the step's [sequences, groups, width] inside the sharded step."""
     from jaxserve import Engine
     cfg = tiny_config(layer_windows=(4, None))
     expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
-    assert run_check("generate", "2x4", "reference", "8", "4")["tokens"] == expected
+    assert run_check(checks, "generate", "2x4", "reference", "8", "4")["tokens"] == expected
 
 
-def test_bad_meshes_raise_clear_errors():
-    run_check("bad_meshes")
+def test_bad_meshes_raise_clear_errors(checks):
+    run_check(checks, "bad_meshes")
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +140,15 @@ def hf_llama(tmp_path_factory):
                             max_position_embeddings=256)
 
 
-def test_checkpoint_from_disk_with_the_default_config_under_every_mesh(hf_llama):
+def test_checkpoint_from_disk_with_the_default_config_under_every_mesh(checks, hf_llama):
     from jaxserve import Engine, EngineConfig
     expected = generate(Engine.from_pretrained(hf_llama, EngineConfig(dtype="float32")))
-    assert run_check("from_disk", hf_llama, *MESHES) == {shape: expected for shape in MESHES}
+    assert run_check(checks, "from_disk", hf_llama, *MESHES) == {shape: expected for shape in MESHES}
 
 
-def test_orbax_save_then_restore_under_another_mesh(tmp_path, reference_tokens):
-    got = run_check("orbax", str(tmp_path))
-    assert got["tokens"] == reference_tokens
+def test_orbax_save_then_restore_under_another_mesh(checks, reference_tokens):
+    orbax = next(key for key in checks if key.startswith("orbax "))
+    assert run_check(checks, *orbax.split(" "))["tokens"] == reference_tokens
 
 
 # ---- the checks, run in the subprocess ----
@@ -264,7 +283,15 @@ def check_orbax(tmp: str) -> dict:
     return {"tokens": generate(engine)}
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--check"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--checks"]:
+    import gc
+    import traceback
     sys.path.insert(0, os.getcwd())
-    name, *rest = sys.argv[2:]
-    print(json.dumps(globals()[f"check_{name}"](*rest)))
+    results = {}
+    for name, *rest in json.loads(sys.argv[2]):
+        try:
+            results[" ".join([name, *rest])] = globals()[f"check_{name}"](*rest)
+        except Exception:  # noqa: BLE001 — reported to the test of this check
+            results[" ".join([name, *rest])] = {"error": traceback.format_exc()}
+        gc.collect()  # one check's engines and pools go before the next one's
+    print(json.dumps(results))
