@@ -14,6 +14,13 @@ one message per step keeps the per-token cost out of the channel. Finished reque
 from the engine as soon as their last output is sent, so nothing is kept. `call` runs any picklable
 `fn(engine, *args)` on the loop and sends its result back: stats, tests, and the JSON snapshot
 of the engine's state for the dashboard (engine_state.py).
+
+Why pickle, when vLLM V1 moved to msgpack, which cannot run code on load: the sockets live in a
+directory only this user can enter (mkdtemp, 0700), so whoever can send here can already run code
+as this user; `call` carries functions by design, and the start-up info carries the tokenizer and
+the config as objects. msgpack would be faster but not by a share of a step that matters:
+`scripts/bench_ipc.py` measured a step's outputs for 32 requests at 35 µs pickled against 20 µs
+(msgspec), an add of 16 prompts of 256 tokens at 358 against 235 µs, against steps of 5–100 ms.
 """
 
 from __future__ import annotations
