@@ -41,7 +41,7 @@ def req(rid, length, max_tokens=4, group=0, arrival=0.0, **params):
 def run_step(sched):
     """One engine iteration with a fake runner whose next token is the last token + 1."""
     s = sched.schedule()
-    sched.update(s, np.array([r.all_token_ids[-1] + 1 for r in s.num_tokens]))
+    sched.update(s, np.array([(r.output_token_ids or r.prompt_token_ids)[-1] + 1 for r in s.num_tokens]))
     return s
 
 

@@ -68,10 +68,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
