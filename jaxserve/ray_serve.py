@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
@@ -63,29 +63,31 @@ class HttpCall:
     prompt: str
 
 
-def routing_key(path: str, body: bytes) -> str:
+def routing_key(path: str, body: bytes) -> tuple[str, bool]:
     """The text a prefix router matches: a completion's prompt(s), or a chat's message contents
-    (as Ray's router joins them); "" for other routes and bodies that do not parse."""
-    if not path.endswith(("/completions",)) or not body:
-        return ""
+    (as Ray's router joins them), "" for other routes and bodies that do not parse; and whether
+    the body asks for a stream."""
+    if not path.endswith("/completions") or not body:
+        return "", False
     try:
         data = json.loads(body)
     except ValueError:
-        return ""
+        return "", False
     if not isinstance(data, dict):
-        return ""
+        return "", False
+    stream = data.get("stream") is True
     if "messages" in data:
-        return "".join(_text(m.get("content") if isinstance(m, dict) else m) for m in data["messages"] or [])
+        messages = data["messages"] if isinstance(data["messages"], list) else []
+        return "".join(_text(m.get("content") if isinstance(m, dict) else m) for m in messages), stream
     prompt = data.get("prompt")
     if isinstance(prompt, str):
-        return prompt
+        return prompt, stream
     if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int):  # one prompt of token ids: digits keep its prefixes comparable
-            return " ".join(str(t) for t in prompt) + " "
+        if isinstance(prompt[0], int):  # one prompt of token ids: digits keep its prefixes comparable
+            return " ".join(str(t) for t in prompt) + " ", stream
         return "".join(p if isinstance(p, str) else " ".join(str(t) for t in p) + " " for p in prompt
-                       if isinstance(p, (str, list)))
-    return ""
+                       if isinstance(p, (str, list))), stream
+    return "", stream
 
 
 def _text(content) -> str:
@@ -123,9 +125,15 @@ class EngineReplica:
         self.app = create_app(self.client, **app_options)
         self.replica = serve.get_replica_context().replica_id.unique_id.encode()
 
-    async def __call__(self, call: HttpCall | None = None, *, request: HttpCall | None = None):
-        """Runs `call` through the app; yields (status, headers), then the body's chunks. `request`
-        is the same call, passed by keyword where it has no prompt (the router then picks by load)."""
+    async def respond(self, call: HttpCall | None = None, *, request: HttpCall | None = None):
+        """Runs `call` through the app; returns (status, headers, body). `request` is the same
+        call, passed by keyword where it has no prompt (the router then picks by load)."""
+        parts = [part async for part in self.stream(call or request)]
+        (status, headers), body = parts[0], b"".join(parts[1:])
+        return status, headers, body
+
+    async def stream(self, call: HttpCall | None = None, *, request: HttpCall | None = None):
+        """Runs `call` through the app; yields (status, headers), then the body's chunks."""
         call = call or request
         sent: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
@@ -182,7 +190,8 @@ class OpenAIIngress:
     """Forwards every request, bytes as they came, to an engine replica chosen by the router."""
 
     def __init__(self, engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.engine = engine.options(stream=True)
+        self.engine = engine
+        self.streams = engine.options(stream=True)
         self.max_body_bytes = max_body_bytes
 
     @_ingress.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
@@ -194,11 +203,18 @@ class OpenAIIngress:
                 return JSONResponse(error_body(f"the request body exceeds the limit of {self.max_body_bytes} bytes",
                                                "invalid_request_error", code="body_too_large"), 413)
         path = request.url.path
+        key, stream = routing_key(path, bytes(body))
         call = HttpCall(request.method, path, request.scope.get("query_string", b""),
-                        list(request.scope["headers"]), bytes(body), routing_key(path, bytes(body)))
+                        list(request.scope["headers"]), bytes(body), key)
         # With no prompt the call goes by keyword: the prefix router then balances by load alone
         # (it raises on a first argument without .prompt, and cannot match an empty one).
-        chunks = self.engine.remote(call) if call.prompt else self.engine.remote(request=call)
+        args, kwargs = ((call,), {}) if key else ((), {"request": call})
+        if not stream:  # one answer: a plain call costs less than a stream through Ray
+            status, headers, content = await self.engine.respond.remote(*args, **kwargs)
+            response = Response(content, status)
+            response.raw_headers = headers
+            return response
+        chunks = self.streams.stream.remote(*args, **kwargs)
         try:
             status, headers = await chunks.__anext__()
         except BaseException:

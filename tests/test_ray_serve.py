@@ -43,12 +43,14 @@ def ray_url(checkpoints):
 
 
 def test_routing_key():
-    assert routing_key("/v1/completions", b'{"prompt": "abc"}') == "abc"
-    assert routing_key("/v1/completions", b'{"prompt": [12, 34]}') == "12 34 "
+    assert routing_key("/v1/completions", b'{"prompt": "abc"}') == ("abc", False)
+    assert routing_key("/v1/completions", b'{"prompt": [12, 34], "stream": true}') == ("12 34 ", True)
+    assert routing_key("/v1/completions", b'{"prompt": ["ab", [5]]}') == ("ab5 ", False)
     assert routing_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}, '
-                                               b'{"role": "user", "content": [{"type": "text", "text": "yo"}]}]}') == "hiyo"
-    assert routing_key("/v1/models", b"") == ""
-    assert routing_key("/v1/completions", b"{not json") == ""
+                                               b'{"role": "user", "content": [{"type": "text", "text": "yo"}]}]}') \
+        == ("hiyo", False)
+    assert routing_key("/v1/models", b"") == ("", False)
+    assert routing_key("/v1/completions", b"{not json") == ("", False)
 
 
 def test_shared_prefixes_land_on_the_replica_that_cached_them(ray_url):
