@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
@@ -181,6 +182,16 @@ class EngineReplica:
             client.stop()
 
 
+# Defined before the deployments: Serve pickles a deployment's class when it is decorated, so
+# names defined below it are missing in the replica.
+REPLICA_DIED = "the replica serving this request stopped"
+
+
+def _replica_died(e: Exception) -> JSONResponse:
+    log.warning("the replica serving a request died: %s", e)
+    return JSONResponse(error_body(REPLICA_DIED, "server_error"), 503)
+
+
 _ingress = FastAPI(title="jaxserve (Ray Serve ingress)", docs_url=None, redoc_url=None, openapi_url=None)
 
 
@@ -209,22 +220,28 @@ class OpenAIIngress:
         # With no prompt the call goes by keyword: the prefix router then balances by load alone
         # (it raises on a first argument without .prompt, and cannot match an empty one).
         args, kwargs = ((call,), {}) if key else ((), {"request": call})
-        if not stream:  # one answer: a plain call costs less than a stream through Ray
-            status, headers, content = await self.engine.respond.remote(*args, **kwargs)
-            response = Response(content, status)
-            response.raw_headers = headers
-            return response
-        chunks = self.streams.stream.remote(*args, **kwargs)
         try:
-            status, headers = await chunks.__anext__()
-        except BaseException:
-            chunks.cancel()
-            raise
+            if not stream:  # one answer: a plain call costs less than a stream through Ray
+                status, headers, content = await self.engine.respond.remote(*args, **kwargs)
+                response = Response(content, status)
+                response.raw_headers = headers
+                return response
+            chunks = self.streams.stream.remote(*args, **kwargs)
+            try:
+                status, headers = await chunks.__anext__()
+            except BaseException:
+                chunks.cancel()
+                raise
+        except RayActorError as e:
+            return _replica_died(e)
 
         async def rest():
             try:
                 async for chunk in chunks:
                     yield chunk
+            except RayActorError as e:  # ended as a stream whose engine dies ends: an error event, then [DONE]
+                log.warning("the replica serving a stream died: %s", e)
+                yield f"data: {json.dumps(error_body(REPLICA_DIED, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
             finally:
                 chunks.cancel()  # the client has gone, or the body is done (a no-op then)
         response = StreamingResponse(rest(), status_code=status)

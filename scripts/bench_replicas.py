@@ -13,8 +13,11 @@ Configurations, each a `jaxserve serve` in a subprocess on loopback:
   pow2         --replicas 2 --router pow2            Ray's default router
 
 Prints per configuration: requests/s, output tok/s, the summed prefix-cache hit rate (cached prompt
-tokens over prompt tokens, from usage.prompt_tokens_details.cached_tokens) and how the requests
-split over replicas (the x-jaxserve-replica header); then the ratios of the issue's targets.
+tokens over prompt tokens, from usage.prompt_tokens_details.cached_tokens), how the requests
+split over replicas (the x-jaxserve-replica header), and the CPU seconds the server's processes
+used during the pass: the engine processes, and all the others (the API process; under Ray also
+Ray's own processes, the proxy, the ingress and the replicas' apps); then the ratios of the
+issue's targets.
 
     python scripts/bench_replicas.py --model tiny              # a tiny random Llama, built here
     python scripts/bench_replicas.py                            # Gemma 3 270M
@@ -36,6 +39,7 @@ import tempfile
 import time
 
 import httpx
+import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPLICA_HEADER = "x-jaxserve-replica"
@@ -109,6 +113,20 @@ class Server:
                 raise TimeoutError(f"the server did not start in {args.start_timeout} s; see {log_path}")
             time.sleep(1)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the server's process tree: {"engine": ..., "other": ...}
+        (engine processes are multiprocessing's spawned children)."""
+        out = {"engine": 0.0, "other": 0.0}
+        root = psutil.Process(self.proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                times = p.cpu_times()
+                kind = "engine" if "spawn_main" in " ".join(p.cmdline()) else "other"
+            except psutil.Error:
+                continue
+            out[kind] += times.user + times.system
+        return out
+
     def stop(self):
         self.proc.send_signal(signal.SIGINT)
         try:
@@ -150,14 +168,20 @@ def main(argv=None) -> None:
         started = time.perf_counter() - start
         try:
             asyncio.run(send(server.url, workload(args, 1000, vocab)[: args.concurrency * 2], args))  # warm-up
-            runs = [asyncio.run(send(server.url, workload(args, seed, vocab), args)) for seed in range(args.repeats)]
+            runs = []
+            for seed in range(args.repeats):
+                before = server.cpu_seconds()
+                runs.append(asyncio.run(send(server.url, workload(args, seed, vocab), args)))
+                after = server.cpu_seconds()
+                runs[-1]["cpu_s"] = {k: after[k] - before[k] for k in after}
         finally:
             server.stop()
         results[name] = runs
         for run in runs:
             print(f"{name:12s} started in {started:5.1f} s: {run['requests_per_s']:6.2f} req/s "
                   f"{run['output_tok_per_s']:7.1f} out tok/s  hit rate {run['hit_rate']:.3f}  "
-                  f"({run['seconds']:.1f} s) replicas {sorted(run['by_replica'].values(), reverse=True)}", flush=True)
+                  f"({run['seconds']:.1f} s) replicas {sorted(run['by_replica'].values(), reverse=True)}  "
+                  f"CPU s: engine {run['cpu_s']['engine']:.1f}, other {run['cpu_s']['other']:.1f}", flush=True)
 
     def mean(name, key):
         return sum(r[key] for r in results[name]) / len(results[name])

@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 import httpx
 
@@ -55,19 +56,23 @@ async def stream(client, tokens: int, first: asyncio.Event, out: dict):
 
 async def drill(url: str, args) -> None:
     import ray
-    from ray import serve
     ray.init(address="auto", namespace="serve", log_to_driver=False)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        ids = set()
+        while len(ids) < 2:  # round-robin: the replicas' ids, so that the kill waits for no lookup
+            r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+            ids.add(r.headers[REPLICA_HEADER])
+        actors = {i: ray.get_actor(f"SERVE_REPLICA::jaxserve#engine#{i}", namespace="serve") for i in ids}
         outs = [{} for _ in range(args.streams)]
         firsts = [asyncio.Event() for _ in range(args.streams)]
         tasks = [asyncio.create_task(stream(client, args.tokens, f, o)) for f, o in zip(firsts, outs)]
         await asyncio.gather(*(f.wait() for f in firsts))
         victim = outs[0]["replica"]
-        names = [a for a in serve.status().applications["jaxserve"].deployments]
-        actor = ray.get_actor(f"SERVE_REPLICA::jaxserve#engine#{victim}", namespace="serve")
+        actor = actors[victim]
         killed = time.monotonic()
         ray.kill(actor, no_restart=True)
-        print(f"killed replica {victim} (deployments {names})", flush=True)
+        print(f"killed replica {victim}; streams per replica: "
+              f"{sorted((o['replica'] for o in outs), key=lambda r: r != victim)}", flush=True)
         after, replaced = [], None
         while time.monotonic() - killed < args.watch:
             try:
@@ -98,7 +103,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=480)
     parser.add_argument("--watch", type=float, default=180, help="seconds to wait for the replacement")
     parser.add_argument("--port", type=int, default=8124)
     args = parser.parse_args(argv)
@@ -110,6 +115,10 @@ def main(argv=None) -> None:
                     os.path.join(folder, "serve.log"))
     try:
         asyncio.run(drill(server.url, args))
+    except BaseException:
+        traceback.print_exc()  # now: stopping the server ends the Ray cluster, and this process with it
+        sys.stderr.flush()
+        raise
     finally:
         server.stop()
     print(f"log in {folder}/serve.log")
