@@ -5,7 +5,7 @@
           ─► DeploymentHandle ─► request router (PrefixCacheAffinityRouter: the replica whose
               prompts share the longest prefix with this one, while loads are balanced)
           ─► Engine replica: jaxserve.server.create_app over its own EngineClient (engine process),
-              run in-process as an ASGI app ─► status, headers, body chunks streamed back
+              run in-process as an ASGI app ─► status, headers, body (one call; a stream for stream: true)
 
 Why two deployments: Serve's proxy hands an HTTP ingress deployment only the ASGI scope (the body
 follows once a replica is chosen), so a router attached to a FastAPI-ingress deployment sees no
