@@ -190,7 +190,8 @@ def main(argv=None) -> None:
             if name in results:
                 print(f"hit rate {name} / one engine: {mean(name, 'hit_rate') / mean('direct', 'hit_rate'):.3f}")
         if "ray-1" in results:
-            print(f"throughput ray-1 / direct: {mean('ray-1', 'output_tok_per_s') / mean('direct', 'output_tok_per_s'):.3f}")
+            ratio = mean("ray-1", "output_tok_per_s") / mean("direct", "output_tok_per_s")
+            print(f"throughput ray-1 / direct: {ratio:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
