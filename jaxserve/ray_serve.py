@@ -297,12 +297,14 @@ def local_ray_options(num_cpus: int | None = None) -> dict:
 
 def run(args, factory: EngineFactory) -> None:
     """`jaxserve serve --replicas K`: joins the cluster RAY_ADDRESS names, or starts a local one;
-    serves the OpenAI routes on --host/--port until SIGTERM or SIGINT, then shuts Serve down."""
+    serves the OpenAI routes on --host/--port until SIGTERM or SIGINT, then deletes the application
+    (and, on a local cluster, shuts Serve and the cluster down)."""
     import ray
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     options = json.loads(args.ray_actor_options) if args.ray_actor_options else {}
-    if os.environ.get("RAY_ADDRESS"):
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if joined:
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:
         ray.init(**local_ray_options())
@@ -317,6 +319,9 @@ def run(args, factory: EngineFactory) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
-    finally:
-        serve.shutdown()
+    finally:  # on a cluster joined, only this application goes: Serve may run others there
+        if joined:
+            serve.delete("jaxserve")
+        else:
+            serve.shutdown()
         ray.shutdown()
