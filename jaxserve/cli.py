@@ -11,6 +11,7 @@ import time
 from jaxserve.engine_args import add_engine_args, engine_config_from_args, on_off
 
 SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "prometheus_client", "jinja2")  # jaxserve[server]
+RAY_MODULES = ("ray",)  # jaxserve[ray], for --replicas
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -51,10 +52,21 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
     if args.engine_restarts < 0:
         raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
+    if args.replicas is not None:
+        missing = [m for m in RAY_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SystemExit("error: --replicas runs engine replicas behind Ray Serve, which needs the ray extra "
+                             f"({', '.join(missing)} is missing): pip install 'jaxserve[ray]'")
+        if args.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     from jaxserve.engine_client import EngineClient
     from jaxserve.engine_core import EngineFactory
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    if args.replicas is not None:
+        from jaxserve import ray_serve
+        ray_serve.run(args, EngineFactory(args.model, config, warmup=args.warmup))
+        return
     start = time.perf_counter()
     # The engine process starts first, and imports jax and loads the model while this process
     # imports the web stack on another core.
@@ -94,6 +106,15 @@ def main(argv: list[str] | None = None) -> None:
                      help="when the engine process dies, start a new one (compiled steps from the cache) up to N "
                           "times in 10 minutes; at the next death the server exits with an error, for a "
                           "supervisor to take over (default 3; 0: no restart, the server stays up answering 503)")
+    srv.add_argument("--replicas", type=int, default=None, metavar="K",
+                     help="run K engine replicas behind Ray Serve on one endpoint (needs jaxserve[ray]): on the "
+                          "Ray cluster RAY_ADDRESS names, else on a local one started here (docs/scale-out.md)")
+    srv.add_argument("--router", choices=("prefix", "pow2", "round-robin"), default="prefix",
+                     help="with --replicas: how requests pick a replica: Ray Serve's PrefixCacheAffinityRouter "
+                          "(default), Ray's power of two choices, or in turn")
+    srv.add_argument("--ray-actor-options", default=None, metavar="JSON",
+                     help='with --replicas: Ray resources of each replica (default {"num_cpus": 1}; e.g. '
+                          '\'{"num_gpus": 1}\' or \'{"resources": {"TPU": 4}}\')')
     srv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:

@@ -189,6 +189,21 @@ def test_serve_without_the_server_extras_says_what_to_install():
                                   "pip install 'jaxserve[server]'")
 
 
+def test_replicas_without_the_ray_extra_say_what_to_install():
+    code = "import sys; sys.modules['ray'] = None; from jaxserve.cli import main; main(['serve', '--replicas', '2'])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.strip() == ("error: --replicas runs engine replicas behind Ray Serve, which needs the ray "
+                                  "extra (ray is missing): pip install 'jaxserve[ray]'")
+
+
+def test_only_ray_serve_imports_ray():
+    code = ("import sys, jaxserve, jaxserve.cli, jaxserve.server, jaxserve.engine_client, jaxserve.engine_core; "
+            "print('ray' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() \
+        == ["False"]
+
+
 def test_api_process_imports_neither_the_cli_nor_jax():
     """Imports point one way (cli -> server -> engine_args), and the API process never starts jax."""
     code = "import sys, jaxserve.server; print('jaxserve.cli' in sys.modules, 'jax' in sys.modules)"

@@ -1,0 +1,327 @@
+"""Replicas behind Ray Serve (the `jaxserve[ray]` extra; nothing else in jaxserve imports ray).
+
+    client ─► Serve proxy ─► OpenAIIngress (FastAPI, one catch-all route): reads the body, takes its
+              prompt (or chat messages) as the routing key, keeps the bytes as they came
+          ─► DeploymentHandle ─► request router (PrefixCacheAffinityRouter: the replica whose
+              prompts share the longest prefix with this one, while loads are balanced)
+          ─► Engine replica: jaxserve.server.create_app over its own EngineClient (engine process),
+              run in-process as an ASGI app ─► status, headers, body (one call; a stream for stream: true)
+
+Why two deployments: Serve's proxy hands an HTTP ingress deployment only the ASGI scope (the body
+follows once a replica is chosen), so a router attached to a FastAPI-ingress deployment sees no
+prompt; Ray's PrefixCacheAffinityRouter reads `.prompt` or `.messages` of the request's first
+argument (and raises when neither exists). A handle call carries the request as an argument, so
+the router is attached to the engine deployment and the ingress calls it, as Ray Serve LLM does.
+Every route, error and metric is the one `jaxserve serve` answers, since each replica runs the
+same app; responses carry `x-jaxserve-replica`, the replica that served them.
+
+`jaxserve serve --replicas K` runs this on a local Ray cluster (or the one `RAY_ADDRESS` names);
+`serve run` takes `build_app` with a config (docs/scale-out.md).
+"""
+
+import asyncio  # no `from __future__ import annotations`: Serve's ingress must see `Request` as a class
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import RequestRouter
+
+from jaxserve.engine_core import EngineFactory
+from jaxserve.protocol import error_body
+from jaxserve.server import DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-jaxserve-replica"
+# Ray's PrefixCacheAffinityRouter. Its public name, ray.serve.llm.request_router.PrefixCacheAffinityRouter,
+# is an empty subclass of this class, but importing ray.serve.llm raises ImportError unless vLLM or
+# SGLang is installed (ray[llm] pins vllm, and torch with it); this module has the same router and
+# imports without them. ray is pinned in the `ray` extra, since the path is Ray's internal one.
+PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+ROUTERS = ("prefix", "pow2", "round-robin")
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+@dataclasses.dataclass
+class HttpCall:
+    """One HTTP request as the ingress received it, sent to a replica through a handle.
+    `prompt` is the routing key the prefix router reads (text; token ids as digits)."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    prompt: str
+
+
+def routing_key(path: str, body: bytes) -> tuple[str, bool]:
+    """The text a prefix router matches: a completion's prompt(s), or a chat's message contents
+    (as Ray's router joins them), "" for other routes and bodies that do not parse; and whether
+    the body asks for a stream."""
+    if not path.endswith("/completions") or not body:
+        return "", False
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return "", False
+    if not isinstance(data, dict):
+        return "", False
+    stream = data.get("stream") is True
+    if "messages" in data:
+        messages = data["messages"] if isinstance(data["messages"], list) else []
+        return "".join(_text(m.get("content") if isinstance(m, dict) else m) for m in messages), stream
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, stream
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], int):  # one prompt of token ids: digits keep its prefixes comparable
+            return " ".join(str(t) for t in prompt) + " ", stream
+        return "".join(p if isinstance(p, str) else " ".join(str(t) for t in p) + " " for p in prompt
+                       if isinstance(p, (str, list))), stream
+    return "", stream
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return ""
+
+
+class RoundRobinRouter(RequestRouter):
+    """Replicas in turn, whatever the prompt: the baseline the prefix router is measured against."""
+
+    def initialize_state(self, **kwargs):
+        self._turn = 0
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        self._turn += 1
+        return [[ordered[self._turn % len(ordered)]]]
+
+
+@serve.deployment(name="engine")
+class EngineReplica:
+    """One engine (its own process, as under `jaxserve serve`) and the jaxserve app over it."""
+
+    def __init__(self, factory: EngineFactory, app_options: dict, restarts: int = 3):
+        from jaxserve.engine_client import EngineClient
+        from jaxserve.server import create_app
+        logging.basicConfig(level=logging.INFO)
+        self.client = EngineClient.start_process(factory, restarts=restarts)
+        self.client.wait_ready()
+        self.app = create_app(self.client, **app_options)
+        self.replica = serve.get_replica_context().replica_id.unique_id.encode()
+
+    async def respond(self, call: HttpCall | None = None, *, request: HttpCall | None = None):
+        """Runs `call` through the app; returns (status, headers, body). `request` is the same
+        call, passed by keyword where it has no prompt (the router then picks by load)."""
+        parts = [part async for part in self.stream(call or request)]
+        (status, headers), body = parts[0], b"".join(parts[1:])
+        return status, headers, body
+
+    async def stream(self, call: HttpCall | None = None, *, request: HttpCall | None = None):
+        """Runs `call` through the app; yields (status, headers), then the body's chunks."""
+        call = call or request
+        sent: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        read = False
+
+        async def receive():
+            nonlocal read
+            if not read:
+                read = True
+                return {"type": "http.request", "body": call.body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def run():
+            try:
+                await self.app(scope, receive, sent.put)
+            finally:
+                await sent.put(None)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": call.method,
+                 "scheme": "http", "path": call.path, "raw_path": call.path.encode(), "root_path": "",
+                 "query_string": call.query_string, "headers": call.headers, "client": ("ray-serve", 0),
+                 "server": ("ray-serve", 0), "state": {}}
+        task = asyncio.create_task(run())
+        try:
+            while (message := await sent.get()) is not None:
+                if message["type"] == "http.response.start":
+                    yield message["status"], [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica)]
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body"):
+                        break
+        finally:  # the client went (cancelled here) or the response ended: the app aborts what is left
+            gone.set()
+            await asyncio.shield(task)
+
+    def check_health(self):
+        if not self.client.alive and not self.client.restarting:
+            raise RuntimeError(self.client.not_running_message)
+
+    def __del__(self):
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.stop()
+
+
+# Defined before the deployments: Serve pickles a deployment's class when it is decorated, so
+# names defined below it are missing in the replica.
+REPLICA_DIED = "the replica serving this request stopped"
+
+
+def _replica_died(e: Exception) -> JSONResponse:
+    log.warning("the replica serving a request died: %s", e)
+    return JSONResponse(error_body(REPLICA_DIED, "server_error"), 503)
+
+
+_ingress = FastAPI(title="jaxserve (Ray Serve ingress)", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.deployment(name="ingress")
+@serve.ingress(_ingress)
+class OpenAIIngress:
+    """Forwards every request, bytes as they came, to an engine replica chosen by the router."""
+
+    def __init__(self, engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.engine = engine
+        self.streams = engine.options(stream=True)
+        self.max_body_bytes = max_body_bytes
+
+    @_ingress.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
+    async def forward(self, request: Request):
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:  # the replica's app would say the same
+                return JSONResponse(error_body(f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                                               "invalid_request_error", code="body_too_large"), 413)
+        path = request.url.path
+        key, stream = routing_key(path, bytes(body))
+        call = HttpCall(request.method, path, request.scope.get("query_string", b""),
+                        list(request.scope["headers"]), bytes(body), key)
+        # With no prompt the call goes by keyword: the prefix router then balances by load alone
+        # (it raises on a first argument without .prompt, and cannot match an empty one).
+        args, kwargs = ((call,), {}) if key else ((), {"request": call})
+        try:
+            if not stream:  # one answer: a plain call costs less than a stream through Ray
+                status, headers, content = await self.engine.respond.remote(*args, **kwargs)
+                response = Response(content, status)
+                response.raw_headers = headers
+                return response
+            chunks = self.streams.stream.remote(*args, **kwargs)
+            try:
+                status, headers = await chunks.__anext__()
+            except BaseException:
+                chunks.cancel()
+                raise
+        except RayActorError as e:
+            return _replica_died(e)
+
+        async def rest():
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except RayActorError as e:  # ended as a stream whose engine dies ends: an error event, then [DONE]
+                log.warning("the replica serving a stream died: %s", e)
+                yield f"data: {json.dumps(error_body(REPLICA_DIED, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                chunks.cancel()  # the client has gone, or the body is done (a no-op then)
+        response = StreamingResponse(rest(), status_code=status)
+        response.raw_headers = headers
+        return response
+
+
+def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key: str | None = None,
+          chat_template: str | None = None, ray_actor_options: dict | None = None,
+          max_ongoing_requests: int = 1024, restarts: int = 3, router_kwargs: dict | None = None):
+    """The Serve application: the ingress over `replicas` engine replicas with `router`."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    router_config = {"prefix": RequestRouterConfig(request_router_class=PREFIX_ROUTER,
+                                                   request_router_kwargs=router_kwargs or {}),
+                     "pow2": RequestRouterConfig(),
+                     "round-robin": RequestRouterConfig(request_router_class=RoundRobinRouter)}[router]
+    engine = EngineReplica.options(
+        num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": 1, **(ray_actor_options or {})},
+        request_router_config=router_config,
+        health_check_period_s=10, health_check_timeout_s=30,
+    ).bind(factory, {"api_key": api_key, "chat_template": chat_template}, restarts)
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0},
+                                 max_ongoing_requests=max_ongoing_requests).bind(engine)
+
+
+def build_app(args: dict[str, Any]):
+    """The builder `serve run` calls with a config's `args`:
+
+        model: a checkpoint path (default: Gemma 3 270M), engine: EngineConfig fields,
+        replicas, router (prefix | pow2 | round-robin), warmup, api_key, chat_template,
+        ray_actor_options (e.g. {"num_cpus": 4} or {"resources": {"TPU": 4}})"""
+    from jaxserve.config import EngineConfig
+    args = dict(args)
+    factory = EngineFactory(args.pop("model", None), EngineConfig(**args.pop("engine", {})),
+                            warmup=bool(args.pop("warmup", True)))
+    replicas = int(args.pop("replicas", 1))
+    return build(factory, replicas, **args)
+
+
+def local_ray_options(num_cpus: int | None = None) -> dict:
+    """ray.init's options for a local cluster kept small: no dashboard, a 256 MiB object store,
+    and workers that import this jaxserve and see the engine's environment."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: os.environ[k] for k in ("JAXSERVE_CACHE", "XLA_FLAGS", "JAX_PLATFORMS") if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    return dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, object_store_memory=256 << 20,
+                runtime_env={"env_vars": env}, log_to_driver=True)
+
+
+def run(args, factory: EngineFactory) -> None:
+    """`jaxserve serve --replicas K`: joins the cluster RAY_ADDRESS names, or starts a local one;
+    serves the OpenAI routes on --host/--port until SIGTERM or SIGINT, then deletes the application
+    (and, on a local cluster, shuts Serve and the cluster down)."""
+    import ray
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    options = json.loads(args.ray_actor_options) if args.ray_actor_options else {}
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if joined:
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:
+        ray.init(**local_ray_options())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build(factory, args.replicas, router=args.router, api_key=args.api_key,
+                    chat_template=args.chat_template, ray_actor_options=options, restarts=args.engine_restarts)
+        serve.run(app, name="jaxserve", route_prefix="/", blocking=False)
+        log.info("%d replica(s) ready behind http://%s:%d (router: %s)", args.replicas, args.host, args.port,
+                 args.router)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:  # on a cluster joined, only this application goes: Serve may run others there
+        if joined:
+            serve.delete("jaxserve")
+        else:
+            serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,97 @@
+"""Replicas behind Ray Serve (jaxserve/ray_serve.py): a local Ray cluster, 2 replicas of the tiny
+Llama, requests through Serve's HTTP proxy. Prompts that share a prefix must reach the replica that
+cached it (the `x-jaxserve-replica` header, and `cached_tokens` of the usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is the jaxserve[ray] extra: pip install 'jaxserve[ray]'")
+pytest.importorskip("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router",
+                    reason="this Ray has no PrefixCacheAffinityRouter where jaxserve.ray_serve looks for it")
+
+import httpx  # noqa: E402
+from ray import serve  # noqa: E402
+
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.engine_core import EngineFactory  # noqa: E402
+from jaxserve.ray_serve import REPLICA_HEADER, build, local_ray_options, routing_key  # noqa: E402
+from server_helpers import free_port  # noqa: E402
+
+PAGE = 8
+PREFIX = 8 * PAGE  # tokens every prompt of a group shares: 8 full pages
+GROUPS, PER_GROUP = 4, 4
+
+
+@pytest.fixture(scope="module")
+def ray_url(checkpoints):
+    config = EngineConfig(dtype="float32", max_slots=8, page_size=PAGE, num_pages=256, max_model_len=256)
+    ray.init(**local_ray_options(num_cpus=2))
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build(EngineFactory(checkpoints("llama"), config, warmup=False), replicas=2,
+                    ray_actor_options={"num_cpus": 0})
+        serve.run(app, name="jaxserve", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_routing_key():
+    assert routing_key("/v1/completions", b'{"prompt": "abc"}') == ("abc", False)
+    assert routing_key("/v1/completions", b'{"prompt": [12, 34], "stream": true}') == ("12 34 ", True)
+    assert routing_key("/v1/completions", b'{"prompt": ["ab", [5]]}') == ("ab5 ", False)
+    assert routing_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}, '
+                                               b'{"role": "user", "content": [{"type": "text", "text": "yo"}]}]}') \
+        == ("hiyo", False)
+    assert routing_key("/v1/models", b"") == ("", False)
+    assert routing_key("/v1/completions", b"{not json") == ("", False)
+
+
+def test_shared_prefixes_land_on_the_replica_that_cached_them(ray_url):
+    rng = random.Random(0)
+    # Ids of two digits each, so every prompt's routing key is as long as every other's.
+    prefixes = [[rng.randrange(10, 100) for _ in range(PREFIX)] for _ in range(GROUPS)]
+
+    async def complete(client, prompt):
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.headers[REPLICA_HEADER], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def workload():
+        served = []
+        async with httpx.AsyncClient(base_url=ray_url, timeout=120) as client:
+            for prefix in prefixes:  # a group's first request caches the prefix; the others follow it
+                first = await complete(client, prefix + [rng.randrange(10, 100) for _ in range(PAGE)])
+                rest = await asyncio.gather(*(complete(client, prefix + [rng.randrange(10, 100) for _ in range(PAGE)])
+                                              for _ in range(PER_GROUP - 1)))
+                served.append((first, rest))
+        return served
+
+    served = asyncio.run(workload())
+    for (replica, cached), rest in served:
+        assert cached == 0
+        assert rest == [(replica, PREFIX)] * (PER_GROUP - 1)  # the same replica, every prefix page from its cache
+    firsts = [replica for (replica, _), _ in served]
+    assert sorted(firsts.count(r) for r in set(firsts)) == [GROUPS // 2, GROUPS // 2]  # new prefixes spread
+
+
+def test_same_routes_and_errors_through_the_proxy(ray_url):
+    with httpx.Client(base_url=ray_url, timeout=60) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/v1/models").json()["data"][0]["object"] == "model"
+        bad = client.post("/v1/completions", json={"prompt": "the quick", "max_tokens": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert client.post("/v1/completions", content=b"{not json").status_code == 400
+        assert "jaxserve_" in client.get("/metrics").text
+        with client.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 4, "stream": True,
+                "temperature": 0}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
