@@ -319,8 +319,8 @@ class Engine:
         table = self.scheduler.table
         batch = build_step(seqs, table.block_tables, SamplingBatch.from_table(table), self.config.page_size,
                            self.runner.buckets, self.runner.replicas)
-        constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)
-                       if r in schedule.sampling and r.request_id in self._grammars]
+        constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
+                       if r in schedule.sampling and r.request_id in self._grammars] if len(self._grammars) else []
         if constrained:
             batch.allowed = self._grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
                                                 len(batch.sample_slots))
