@@ -295,6 +295,14 @@ def local_ray_options(num_cpus: int | None = None) -> dict:
                 runtime_env={"env_vars": env}, log_to_driver=True)
 
 
+def start_serve(host: str, port: int) -> None:
+    """Serve's controller and HTTP proxy on `host:port`. The proxy gets 30 s, not Ray's 5, to say it
+    is ready: replicas compiling their engines keep a small machine's cores busy, and three missed
+    5 s checks made Serve kill the proxy before it ever answered (seen on 2 cores)."""
+    serve.start(http_options={"host": host, "port": port}, controller_options={
+        "runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}}})
+
+
 def run(args, factory: EngineFactory) -> None:
     """`jaxserve serve --replicas K`: joins the cluster RAY_ADDRESS names, or starts a local one;
     serves the OpenAI routes on --host/--port until SIGTERM or SIGINT, then deletes the application
@@ -309,7 +317,7 @@ def run(args, factory: EngineFactory) -> None:
     else:
         ray.init(**local_ray_options())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        start_serve(args.host, args.port)
         app = build(factory, args.replicas, router=args.router, api_key=args.api_key,
                     chat_template=args.chat_template, ray_actor_options=options, restarts=args.engine_restarts)
         serve.run(app, name="jaxserve", route_prefix="/", blocking=False)

@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-# The suite compiles many small shapes and runs each a few times: LLVM's optimizations cost more
-# compile time than they save (about half of each compile), and they do not change results.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# The suite compiles many small shapes and runs each a few times, so compile time is most of its
+# time: LLVM's optimizations cost more than they save (about half of each compile), and XLA:CPU's
+# older loop emitters compile a tiny model's step about 3x faster than its fusion emitters. Neither
+# changes what the tests check (the same references, tolerances and tokens).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
@@ -17,9 +19,13 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".
 @pytest.fixture(scope="session", autouse=True)
 def own_cache_folder(tmp_path_factory):
     """Converted checkpoints and compiled programs go to a folder of the run's own, not to the
-    user's ~/.cache/jaxserve (unless JAXSERVE_CACHE says where)."""
+    user's ~/.cache/jaxserve (unless JAXSERVE_CACHE says where). pytest-xdist's workers share it,
+    so a program one worker compiled is loaded by the others."""
     if "JAXSERVE_CACHE" not in os.environ:
-        os.environ["JAXSERVE_CACHE"] = str(tmp_path_factory.mktemp("jaxserve_cache"))
+        root = tmp_path_factory.getbasetemp()
+        if "PYTEST_XDIST_WORKER" in os.environ:
+            root = root.parent  # the run's folder, above each worker's own
+        os.environ["JAXSERVE_CACHE"] = str(root / "jaxserve_cache")
     yield os.environ["JAXSERVE_CACHE"]
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from typing import Callable, Mapping
 
 import jax
@@ -31,20 +32,24 @@ def is_checkpoint(path: str) -> bool:
 def save_checkpoint(path: str, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
                     extra_files: Mapping[str, str] | None = None) -> None:
     """Writes config, weights and `extra_files` (name -> text, e.g. the tokenizer); the directory
-    appears only once complete (atomic rename)."""
+    appears only once complete (atomic rename). Each writer has a folder of its own until then, so
+    two processes converting the same model at once (replicas, test workers) do not collide."""
     check_weights(cfg, weights, "weights to save")
-    tmp = path.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-        json.dump({"model_config": dataclasses.asdict(cfg)}, f)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(os.path.join(tmp, WEIGHTS_DIR)), dict(weights))
-    for name, text in (extra_files or {}).items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"{name}.partial-", dir=parent)
+    try:
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump({"model_config": dataclasses.asdict(cfg)}, f)
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(os.path.join(tmp, WEIGHTS_DIR), dict(weights))
+        for extra, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, extra), "w") as f:
+                f.write(text)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_config(path: str) -> ModelConfig:

@@ -78,7 +78,7 @@ def _load_gguf_cached(cache: str, gguf_path, dtype: str):
                                               "tokenizer_config.json": json.dumps({"chat_template": template,
                                                                                    **special})})
     except OSError:
-        pass  # a read-only cache only costs the conversion next time
+        pass  # a read-only cache only costs the conversion next time (or another process saved it first)
     return cfg, weights, _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
 
 
