@@ -59,19 +59,33 @@ def serve(args: argparse.Namespace) -> None:
                              f"({', '.join(missing)} is missing): pip install 'jaxserve[ray]'")
         if args.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    from jaxserve import multihost
     from jaxserve.engine_client import EngineClient
     from jaxserve.engine_core import EngineFactory
+    group = multihost.group_from(args.num_processes, args.process_id, args.coordinator)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    if group is not None:
+        if args.replicas is not None:
+            raise ValueError("--replicas and --num-processes do not go together: run K groups behind a router "
+                             "instead (docs/scale-out.md)")
+        if not config.mesh:
+            raise ValueError(f"a group of {group.num_processes} processes needs --mesh over every device of every "
+                             "process, e.g. model=8 for 2 hosts of 4 devices")
     if args.replicas is not None:
         from jaxserve import ray_serve
         ray_serve.run(args, EngineFactory(args.model, config, warmup=args.warmup))
         return
+    if group is not None and not group.is_leader:  # no HTTP here: run the leader's steps
+        from jaxserve.host_memory import keep_freed_memory
+        keep_freed_memory()  # this process is an engine's
+        multihost.follow(group, EngineFactory(args.model, config, warmup=args.warmup).build)
+        return
     start = time.perf_counter()
     # The engine process starts first, and imports jax and loads the model while this process
-    # imports the web stack on another core.
-    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup),
-                                        restarts=args.engine_restarts)
+    # imports the web stack on another core. A group's leader cannot be replaced alone.
+    client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup, group=group),
+                                        restarts=args.engine_restarts, replaceable=group is None)
     from jaxserve.server import run
     run(args, client, start)
 
@@ -115,6 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--ray-actor-options", default=None, metavar="JSON",
                      help='with --replicas: Ray resources of each replica (default {"num_cpus": 1}; e.g. '
                           '\'{"num_gpus": 1}\' or \'{"resources": {"TPU": 4}}\')')
+    srv.add_argument("--num-processes", type=int, default=None, metavar="N",
+                     help="one engine over N processes (hosts) with jax.distributed: process 0 serves HTTP and "
+                          "schedules, the others run its steps on their shards (default: JAX_NUM_PROCESSES, else 1)")
+    srv.add_argument("--process-id", type=int, default=None, metavar="I",
+                     help="with --num-processes: this process's index, 0 for the leader (default: JAX_PROCESS_ID)")
+    srv.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="with --num-processes: process 0's address as every process reaches it, and a free port "
+                          "(default: JAX_COORDINATOR_ADDRESS)")
     srv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:

@@ -89,6 +89,7 @@ class EngineClient:
         self._stopping = False  # stop() asked the core to end: its end is no death
         self._factory: Callable[[], Any] | None = None  # what a restart builds again
         self._restarts = 0  # restarts allowed within RESTART_WINDOW_S
+        self._replaceable = True  # False: the leader of a multi-host group, whose death ends the server
         self._restart_times: collections.deque[float] = collections.deque()
         self.restarting = False
         self.on_give_up: Callable[[str], None] = lambda why: None  # called (receiver thread) once no restart is left
@@ -106,12 +107,13 @@ class EngineClient:
 
     @classmethod
     def start_process(cls, factory: Callable[[], Any], metrics: Metrics | None = None,
-                      restarts: int = 0) -> "EngineClient":
+                      restarts: int = 0, replaceable: bool = True) -> "EngineClient":
         """Starts the engine process and returns at once; `wait_ready` then waits for the engine.
         Once ready, a dead engine process is replaced by a new one up to `restarts` times within
-        RESTART_WINDOW_S; at the next death `on_give_up(why)` is called (0: no restart, no giving up)."""
+        RESTART_WINDOW_S; at the next death `on_give_up(why)` is called (0: no restart, no giving up).
+        Not `replaceable` (one process of a multi-host group): `on_give_up` at the first death."""
         client = cls(metrics)
-        client._factory, client._restarts = factory, restarts
+        client._factory, client._restarts, client._replaceable = factory, restarts, replaceable
         client._launch()
         return client
 
@@ -315,6 +317,10 @@ class EngineClient:
         """Replaces the dead engine process if a restart is left in the window; True once the new
         one is ready. Requests are refused (503) meanwhile: `alive` is false while `error` is set."""
         while self._factory is not None and not (self._closing or self._stopping):
+            if not self._replaceable:  # the group's other processes cannot take a new one in
+                log.error("the engine process of the group's leader died: the server stops")
+                self.on_give_up(self.error)
+                return False
             now = time.monotonic()
             while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
                 self._restart_times.popleft()

@@ -59,11 +59,23 @@ class EngineFactory:
     model: str | None = None
     config: Any = None  # EngineConfig
     warmup: bool = False
+    group: Any = None  # multihost.Group: this engine is the leader (process 0) of a multi-host group
 
     def __call__(self, progress: Callable[[dict], None] = lambda state: None,
-                 built: Callable[[Any], None] = lambda engine: None):
+                 built: Callable[[Any], None] = lambda engine: None, fatal: Callable[[str], None] | None = None):
         """Builds the engine; `progress(state)` hears each phase ("loading", then "compiling" with
-        `done` of `total` programs), and `built(engine)` is called between the two."""
+        `done` of `total` programs), and `built(engine)` is called between the two. In a group,
+        `fatal(why)` ends the process when the group cannot go on (from any thread)."""
+        if self.group is None:
+            return self.build(progress, built)
+        from jaxserve import multihost
+        progress({"phase": f"joining a group of {self.group.num_processes} processes"})
+        engine, _ = multihost.start(self.group, lambda: self.build(progress, built), fatal or _exit)
+        return engine
+
+    def build(self, progress: Callable[[dict], None] = lambda state: None,
+              built: Callable[[Any], None] = lambda engine: None):
+        """The engine alone (in a group, every process builds it the same way)."""
         from jaxserve.engine import Engine
         progress({"phase": "loading"})
         engine = Engine.from_pretrained(self.model, self.config)
@@ -81,6 +93,11 @@ class EngineFactory:
             log.info("%d step programs ready in %.1f s: %d compiled, %d loaded from the compile cache", programs,
                      time.perf_counter() - start, programs - loaded, loaded)
         return engine
+
+
+def _exit(why: str) -> None:
+    log.critical("%s", why)
+    os._exit(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +139,22 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
         # The engine's description goes out before the warm-up, so the API process reads the
         # tokenizer (seconds for Gemma 3's) while the engine compiles rather than after.
         outputs.send(pickle.dumps(("info", engine_info(engine))))
+
+    def fatal(why: str) -> None:
+        # A multi-host group lost a process, maybe while this process's main thread is blocked in a
+        # collective that will never end: tell the API process on a socket of this thread's own
+        # (a socket belongs to one thread; its own context, whose term() waits until it is sent),
+        # then end at once.
+        log.critical("%s", why)
+        last_context = zmq.Context()
+        last = last_context.socket(zmq.PUSH)
+        last.connect(outputs_addr)
+        last.send(pickle.dumps(("dead", why)))
+        last.close(linger=2000)
+        last_context.term()
+        os._exit(1)
     try:
-        engine = factory(progress, built) if isinstance(factory, EngineFactory) else factory()
+        engine = factory(progress, built, fatal) if isinstance(factory, EngineFactory) else factory()
     except BaseException as e:  # noqa: BLE001 — reported to the API process, which exits with it
         log.exception("could not build the engine")
         outputs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))

@@ -99,9 +99,12 @@ class Runner:
         self._compiled: dict[tuple, object] = {}
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
-        self.cache = None if config.cache_dir is None else ExecutableCache(config.cache_dir, self._describe(), devices)
+        # Each process of a multi-host group keeps its own entries: a program is loaded onto its local devices.
+        self.cache = None if config.cache_dir is None else ExecutableCache(
+            config.cache_dir, f"{self.describe_programs()}\nprocess {jax.process_index()}", devices)
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding
+        self.mirror = None  # a multi-host leader's multihost.Mirror: the other processes run each step too
 
     @property
     def num_compiles(self) -> int:
@@ -114,6 +117,12 @@ class Runner:
 
     def dispatch(self, batch: StepBatch, logprobs: bool = False) -> InFlight:
         """Starts a step on the device and returns at once."""
+        if self.mirror is None:
+            return self._dispatch(batch, logprobs)
+        self.mirror.step(batch, logprobs)  # before this process runs it: the programs' collectives span the group
+        return self.mirror.run(self._dispatch, batch, logprobs)
+
+    def _dispatch(self, batch: StepBatch, logprobs: bool) -> InFlight:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
         state, pool, slot_tokens, *inputs = self.step_args(batch)
         tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots, allowed = inputs
@@ -133,7 +142,7 @@ class Runner:
 
     def collect(self, step: InFlight) -> StepOutput:
         """Waits for a dispatched step's sampled tokens (the one device-to-host transfer of a step)."""
-        out = jax.device_get(step.outputs)
+        out = jax.device_get(step.outputs) if self.mirror is None else self.mirror.run(jax.device_get, step.outputs)
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
     def step_args(self, batch: StepBatch) -> tuple:
@@ -275,8 +284,9 @@ class Runner:
     def _rows_sharding(self, shape):
         return None if self.mesh is None else sharding.batch_sharding(self.mesh, shape)
 
-    def _describe(self) -> str:
-        """Everything but the step's shape that changes a compiled program (the cache's key)."""
+    def describe_programs(self) -> str:
+        """Everything but the step's shape that changes a compiled program (the cache's key; the
+        same in every process of a multi-host group)."""
         leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None)))
                   for x in jax.tree.leaves((self.state, self.kv_pool))]
         device = jax.devices()[0]

@@ -1,0 +1,224 @@
+"""`jaxserve serve` as a multi-host group on this machine: 2 processes of 2 simulated CPU devices
+each (gloo collectives), a tiny Llama from disk split over a model=4 mesh that spans both. Process 0
+serves HTTP and schedules; process 1 runs its steps. Greedy tokens over HTTP equal one device's; a
+clean stop ends both; a process killed ends the other with a message that says so. And the step
+channel's encoding and its death detection on their own, and the flags' errors, without jax."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import psutil
+import pytest
+from conftest import TEST_XLA_FLAGS, build_checkpoint
+from server_helpers import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Small buckets keep the warm-up short: 4 token buckets, 3 row buckets.
+ENGINE = ("--mesh", "model=4", "--max-slots", "4", "--page-size", "8", "--num-pages", "64", "--max-model-len", "64",
+          "--max-num-batched-tokens", "8", "--dtype", "float32")
+PROMPTS = ["the quick brown fox", "paged attention keeps kv memory tight. a stitch", "jax", "over the lazy dog"]
+MAX_TOKENS = 12
+START_S = 240
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    # 4 kv heads: the pool and attention split over all 4 devices, so across the two processes.
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama-kv4")), "llama", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    """One compile cache for the module: the first group compiles, the later ones load."""
+    return str(tmp_path_factory.mktemp("multihost-cache"))
+
+
+class Group:
+    """Process 0 (`jaxserve serve` on a free port) and process 1 of a 2-process group, started
+    together; ready once process 0's /health says 200."""
+
+    def __init__(self, model: str, cache: str, logs):
+        self.port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE=cache,
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}")
+        common = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, *ENGINE, "--num-processes", "2",
+                  "--coordinator", coordinator]
+        self.logs = [logs / "process0.log", logs / "process1.log"]
+        files = [open(p, "w") for p in self.logs]
+        self.leader = subprocess.Popen(common + ["--process-id", "0", "--port", str(self.port)], cwd=ROOT, env=env,
+                                       stdout=files[0], stderr=subprocess.STDOUT)
+        # The follower's settings from the environment, as jax.distributed reads them.
+        follower_env = dict(env, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1", JAX_COORDINATOR_ADDRESS=coordinator)
+        self.follower = subprocess.Popen(common[:-4], cwd=ROOT, env=follower_env, stdout=files[1],
+                                         stderr=subprocess.STDOUT)
+        for f in files:
+            f.close()
+        deadline = time.monotonic() + START_S
+        while True:
+            assert self.leader.poll() is None and self.follower.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"the group did not start:\n{self.output()}"
+            time.sleep(0.3)
+
+    def output(self, i: int | None = None) -> str:
+        return "".join(f"--- process {j}:\n{p.read_text()[-6000:]}\n" for j, p in enumerate(self.logs)
+                       if i is None or i == j)
+
+    def leader_engine(self) -> psutil.Process:
+        return next(c for c in psutil.Process(self.leader.pid).children() if "spawn_main" in " ".join(c.cmdline()))
+
+    def close(self) -> None:
+        for proc in (self.leader, self.follower):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def group(model, cache, tmp_path):
+    g = Group(model, cache, tmp_path)
+    yield g
+    g.close()
+
+
+def reference(model: str) -> list[str]:
+    """The greedy completions of one device (this process: no mesh). Prompts run in one chunk here
+    (greedy tokens do not depend on the chunking): 3 programs to compile rather than 7."""
+    from jaxserve import Engine, EngineConfig, SamplingParams
+    engine = Engine.from_pretrained(model, EngineConfig(max_slots=4, page_size=8, num_pages=64, max_model_len=64,
+                                                        max_num_batched_tokens=64, dtype="float32"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return [o.text for o in engine.generate(PROMPTS, params)]
+
+
+def test_two_processes_serve_one_devices_greedy_tokens_and_stop_together(group, model):
+    expected = reference(model)  # while the group serves: this process has one device of its own
+    client = openai.OpenAI(base_url=group.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = os.path.basename(model)
+    one = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True}, logprobs=2)  # the logprobs program too
+    assert one.choices[0].text == expected[1]
+    assert len(one.choices[0].logprobs.tokens) == MAX_TOKENS
+    # All four prompts in one payload, so that they run in the same steps.
+    batch = client.completions.create(model=name, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected
+    group.leader.send_signal(signal.SIGTERM)
+    assert group.leader.wait(60) == 0, group.output()
+    assert group.follower.wait(30) == 0, group.output()
+    assert "the leader's engine stopped" in group.output(1)
+
+
+def test_a_killed_follower_ends_the_leader_with_a_message(group):
+    group.follower.kill()
+    assert group.leader.wait(30) != 0
+    assert "error: the follower (process 1) closed its connection to the leader" in group.output(0)
+
+
+def test_a_killed_leader_ends_the_follower_with_a_message(group):
+    group.leader_engine().kill()
+    assert group.follower.wait(30) != 0
+    assert "the leader (process 0, tcp://127.0.0.1:" in group.output(1)
+    assert "closed its connection without telling this process to stop" in group.output(1)
+    assert group.leader.wait(30) != 0  # its API process has no engine left, and none can replace it
+
+
+# ---- without processes ----
+
+def fields(obj) -> dict:
+    """A StepBatch's fields, nested, with each array as (dtype, shape, values)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: fields(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return (obj.dtype.str, obj.shape, obj.tolist()) if isinstance(obj, np.ndarray) else obj
+
+
+def test_a_step_crosses_the_channel_whole():
+    from jaxserve import step_channel
+    from jaxserve.sampling import SamplingBatch
+    from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
+    tables = np.arange(32, dtype=np.int32).reshape(4, 1, 8)
+    sampling = SamplingBatch(np.full(4, 0.5, np.float32), np.arange(4, dtype=np.int32), np.ones(4, np.float32),
+                             np.zeros(4, np.float32), np.arange(4, dtype=np.uint32))
+    batch = build_step([ScheduledSeq(0, 0, [5, 6, 7]), ScheduledSeq(2, 4, [9])], tables, sampling, 8,
+                       StepBuckets(16, 4))
+    for allowed in (None, np.full((2, 3), -1, np.int32)):
+        batch.allowed = allowed
+        frames = [bytes(f) for f in step_channel.encode_step(batch, True)]
+        kind, got, logprobs = step_channel.decode(frames)
+        assert kind == "step" and logprobs is True and got.num_tokens == batch.num_tokens == 4
+        assert fields(got) == fields(batch)
+    assert step_channel.decode(step_channel.encode_stop("bye")) == ("stop", "bye")
+
+
+def test_each_end_of_the_channel_hears_the_other_die():
+    from jaxserve import step_channel
+    for who_dies in ("follower", "leader"):
+        deaths = {"leader": threading.Event(), "follower": threading.Event()}
+        leader = step_channel.Leader(1, "127.0.0.1", lambda why: deaths["leader"].set())
+        follower = step_channel.Follower(f"tcp://127.0.0.1:{leader.port}", lambda why: deaths["follower"].set())
+        follower.wait_connected(10)
+        leader.wait_for_followers(10)
+        if who_dies == "follower":
+            follower.socket.close(linger=0)  # as a process's death closes it
+            assert deaths["leader"].wait(5) and not deaths["follower"].is_set()
+        else:
+            leader.socket.close(linger=0)
+            assert deaths["follower"].wait(5) and not deaths["leader"].is_set()
+    # A stop is no death on either side.
+    deaths = []
+    leader = step_channel.Leader(1, "127.0.0.1", deaths.append)
+    follower = step_channel.Follower(f"tcp://127.0.0.1:{leader.port}", deaths.append)
+    follower.wait_connected(10)
+    leader.wait_for_followers(10)
+    stopping = threading.Thread(target=leader.stop, args=("done",))
+    stopping.start()
+    assert follower.receive() == ("stop", "done")
+    follower.close()
+    stopping.join(10)
+    time.sleep(0.2)
+    assert deaths == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-processes", "2"], "needs --process-id"),
+    (["--num-processes", "2", "--process-id", "0"], "needs --coordinator HOST:PORT"),
+    (["--num-processes", "2", "--process-id", "2", "--coordinator", "h:1"], "--process-id must be 0 to 1"),
+    (["--num-processes", "2", "--process-id", "-1", "--coordinator", "h:1"], "--process-id must be 0 to 1"),
+    (["--num-processes", "2", "--process-id", "1", "--coordinator", "h"], "--coordinator must be HOST:PORT"),
+    (["--process-id", "1"], "--process-id needs --num-processes"),
+    (["--num-processes", "0"], "--num-processes must be >= 1"),
+    (["--num-processes", "2", "--process-id", "0", "--coordinator", "h:1"], "needs --mesh"),
+    (["--num-processes", "2", "--process-id", "0", "--coordinator", "h:1", "--mesh", "model=2", "--replicas", "2"],
+     "--replicas and --num-processes do not go together"),
+])
+def test_bad_group_settings_get_a_clear_error(args, message):
+    code = f"from jaxserve.cli import main; main(['serve', *{args!r}])"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+
+
+def test_settings_from_the_environment():
+    from jaxserve.multihost import Group, group_from
+    env = {"JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2", "JAX_COORDINATOR_ADDRESS": "leader:6379"}
+    assert group_from(environ=env) == Group(3, 2, "leader:6379")
+    assert group_from(process_id=1, environ=env) == Group(3, 1, "leader:6379")  # a flag wins
+    assert group_from(environ={"JAX_COORDINATOR_ADDRESS": "leader:6379"}) is None  # for another program
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer"):
+        group_from(environ={**env, "JAX_PROCESS_ID": "one"})
