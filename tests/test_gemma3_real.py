@@ -38,6 +38,12 @@ def float32_logits(engine, weights):
     return tokens, paged_logits(Transformer(*weights), tokens, prompt_len=len(tokens) - 4)
 
 
+@pytest.fixture(scope="module")
+def float32_outputs(engine):
+    """The float32 engine's greedy outputs (64 tokens, top-2 logprobs), shared by two tests."""
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2))
+
+
 def test_logits_close_to_hugging_face(hf_gemma3, float32_logits):
     tokens, got = float32_logits
     with torch.no_grad():
@@ -47,10 +53,9 @@ def test_logits_close_to_hugging_face(hf_gemma3, float32_logits):
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
 
-def test_greedy_generation_matches_hugging_face_up_to_first_near_tie(engine, hf_gemma3):
-    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+def test_greedy_generation_matches_hugging_face_up_to_first_near_tie(engine, hf_gemma3, float32_outputs):
     compared = 0
-    for prompt, out in zip(PROMPTS, outputs):
+    for prompt, out in zip(PROMPTS, float32_outputs):
         ids = torch.tensor([engine.tokenizer.encode(prompt)])
         with torch.no_grad():
             ref = hf_gemma3.generate(ids, max_new_tokens=32, do_sample=False, output_scores=True,
@@ -65,16 +70,14 @@ def test_greedy_generation_matches_hugging_face_up_to_first_near_tie(engine, hf_
     assert compared >= 4 * 16, f"only {compared} tokens compared before near ties"
 
 
-def test_default_dtype_tracks_float32_up_to_the_first_near_tie(engine):
+def test_default_dtype_tracks_float32_up_to_the_first_near_tie(float32_outputs):
     """bfloat16 weights (the default) against the float32 engine: the same greedy tokens up to the
     first position where float32's top-2 log-probability margin is under 0.1."""
     default = Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=480))
     assert default.config.weights_dtype == "bfloat16"
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
-    reference = engine.generate(PROMPTS, params)
-    got = default.generate(PROMPTS, params)
+    got = default.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     compared = 0
-    for prompt, ref, out in zip(PROMPTS, reference, got):
+    for prompt, ref, out in zip(PROMPTS, float32_outputs, got):
         for step, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
             if lp["top"][0][1] - lp["top"][1][1] < 0.1:
                 break
