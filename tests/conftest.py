@@ -16,16 +16,33 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".
 
 
 
+# The files that take longest (minutes each on 2 cores), longest first. pytest-xdist hands whole
+# files to its workers in collection order (--dist loadfile), so these start first and the many
+# short files fill in around them, rather than one long file running alone at the end.
+LONGEST_FIRST = ["test_gemma3_real.py", "test_server_clients.py", "test_sharding.py", "test_gguf_loader.py",
+                 "test_startup.py", "test_ray_serve.py", "test_token_budget.py", "test_engine_hybrid_kv.py",
+                 "test_kv_in_place.py", "test_gguf_tokenizer.py", "test_dashboard_browser.py",
+                 "test_multihost_serve.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def run_folder(tmp_path_factory):
+    """The run's temporary folder, which pytest-xdist's workers share (each has its own below it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+
+
 @pytest.fixture(scope="session", autouse=True)
 def own_cache_folder(tmp_path_factory):
     """Converted checkpoints and compiled programs go to a folder of the run's own, not to the
     user's ~/.cache/jaxserve (unless JAXSERVE_CACHE says where). pytest-xdist's workers share it,
     so a program one worker compiled is loaded by the others."""
     if "JAXSERVE_CACHE" not in os.environ:
-        root = tmp_path_factory.getbasetemp()
-        if "PYTEST_XDIST_WORKER" in os.environ:
-            root = root.parent  # the run's folder, above each worker's own
-        os.environ["JAXSERVE_CACHE"] = str(root / "jaxserve_cache")
+        os.environ["JAXSERVE_CACHE"] = str(run_folder(tmp_path_factory) / "jaxserve_cache")
     yield os.environ["JAXSERVE_CACHE"]
 
 
@@ -149,9 +166,22 @@ def gemma3_path():
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3(gemma3_path):
-    """Hugging Face's Gemma3ForCausalLM loaded from the same GGUF (float32): the reference."""
+def hf_gemma3(gemma3_path, tmp_path_factory):
+    """Hugging Face's Gemma3ForCausalLM loaded from the same GGUF (float32): the reference.
+    transformers spends about a minute parsing the GGUF's 262k-token vocabulary, so the first
+    worker to need the model saves its config and float32 weights for the others (loaded again in
+    2 s, with the same weights and logits, bit for bit). transformers will not `save_pretrained` a
+    model it read from a GGUF, hence the two calls."""
+    import filelock
+    import safetensors.torch
     import torch
     import transformers
-    folder, name = os.path.split(gemma3_path)
-    return transformers.Gemma3ForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    copy = run_folder(tmp_path_factory) / "hf_gemma3"
+    with filelock.FileLock(f"{copy}.lock"):
+        if not (copy / "model.safetensors").exists():
+            folder, name = os.path.split(gemma3_path)
+            model = transformers.Gemma3ForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            model.config.save_pretrained(copy)
+            safetensors.torch.save_model(model, str(copy / "model.safetensors"))
+            return model.eval()
+    return transformers.Gemma3ForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
