@@ -20,7 +20,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,18 +27,13 @@ import time
 
 import httpx
 import numpy as np
+from serve_process import free_port, wait_for_health
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=8192, max_position_embeddings=1024)
 ENGINE = ("--max-slots", "8", "--page-size", "16", "--num-pages", "256", "--max-model-len", "512",
           "--max-num-batched-tokens", "128", "--dtype", "float32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(path: str) -> str:
@@ -69,18 +63,11 @@ def start(config: str, model: str, cache: str, log_dir: str) -> tuple[list[subpr
         procs.append(subprocess.Popen(base + list(group) + (["--process-id", str(i)] if group else []) + list(extra),
                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"{config} did not start: see {log_dir}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return procs, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{config} did not start in time: see {log_dir}")
-        time.sleep(0.5)
+    try:
+        wait_for_health(url, procs)
+    except (RuntimeError, TimeoutError) as e:
+        raise SystemExit(f"{config}: {e}: see {log_dir}") from None
+    return procs, url
 
 
 def tpot(url: str) -> tuple[float, float]:

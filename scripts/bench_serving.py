@@ -38,7 +38,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
+from serve_process import free_port, wait_for_health  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain engine paper window garden music light "
@@ -219,25 +219,16 @@ def run_http(url: str, warmup: list[str], prompts: list[str], args, warm: bool, 
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *args.engine_argv]
     proc = subprocess.Popen(command, stdout=open(args.server_log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"jaxserve serve exited; see {args.server_log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("jaxserve serve did not start")
-        time.sleep(0.5)
+    try:
+        wait_for_health(url, [proc])
+    except (RuntimeError, TimeoutError) as e:
+        proc.kill()
+        raise SystemExit(f"{e}; see {args.server_log}") from None
+    return proc, url
 
 
 def main(argv=None) -> None:

@@ -106,6 +106,24 @@ def listening_pid(port: int) -> int | None:
 
 # ---- the server ----
 
+def wait_for_health(url: str, procs: list[subprocess.Popen], timeout: float = 900.0) -> None:
+    """Waits for `url`'s /health to say 200; RuntimeError if one of `procs` (the server's) exits
+    first, TimeoutError past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jaxserve serve (pid {proc.pid}) exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"jaxserve serve did not start within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 class ServeProcess:
     """`jaxserve serve --port <free> ARGS` in a subprocess, its output in `log_path`."""
 
@@ -123,18 +141,13 @@ class ServeProcess:
 
     def wait_healthy(self, timeout: float = 900.0) -> float:
         """Waits for /health to say 200; returns the seconds since the launch."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jaxserve serve exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.started_at
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"jaxserve serve did not start within {timeout:.0f} s (log: {self.log_path})")
-            time.sleep(0.2)
+        try:
+            wait_for_health(self.url, [self.proc], timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{self.output()[-3000:]}") from None
+        except TimeoutError as e:
+            raise TimeoutError(f"{e} (log: {self.log_path})") from None
+        return time.monotonic() - self.started_at
 
     def engine_pid(self) -> int | None:
         return engine_pid(self.pid)
