@@ -91,9 +91,9 @@ class EngineFactory:
             loaded = cache.loaded if cache is not None else 0
             log.info("%d step programs ready in %.1f s: %d compiled, %d loaded from the compile cache", programs,
                      time.perf_counter() - start, programs - loaded, loaded)
-            # After the warm-up, not beside it: building llguidance's view of Gemma 3's 262k tokens
-            # beside the programs' loads took a warm start's loads from 2.3 s to 7.9 s. It runs in
-            # the background: a constrained request in the first seconds waits for the rest.
+            # After the warm-up, not beside it: building llguidance's view of a large vocabulary
+            # beside the programs' loads made a warm start's loads about 3x slower (docs/startup.md).
+            # It runs in the background: a constrained request in the first seconds waits for it.
             engine.prepare_structured_output()
         return engine
 

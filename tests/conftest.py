@@ -9,11 +9,10 @@ import pytest
 
 # The suite compiles many small shapes and runs each a few times, so compile time is most of its
 # time: LLVM's optimizations cost more than they save (about half of each compile), and XLA:CPU's
-# older loop emitters compile a tiny model's step about 3x faster than its fusion emitters. Neither
-# changes what the tests check (the same references, tolerances and tokens).
+# older loop emitters compile a tiny model's forward step about 2x faster than its fusion emitters
+# (docs/testing.md). Neither changes what the tests check (the same references, tolerances, tokens).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-
 
 
 # The files that take longest (minutes each on 2 cores), longest first. pytest-xdist hands whole
