@@ -167,10 +167,11 @@ def gemma3_path():
 @pytest.fixture(scope="session")
 def hf_gemma3(gemma3_path, tmp_path_factory):
     """Hugging Face's Gemma3ForCausalLM loaded from the same GGUF (float32): the reference.
-    transformers spends about a minute parsing the GGUF's 262k-token vocabulary, so the first
-    worker to need the model saves its config and float32 weights for the others (loaded again in
-    2 s, with the same weights and logits, bit for bit). transformers will not `save_pretrained` a
-    model it read from a GGUF, hence the two calls."""
+    transformers spends about a minute parsing the GGUF's 262k-token vocabulary, so it reads a copy
+    without the tokenizer's arrays (12 s; the same weights and logits, bit for bit, see
+    tests/gguf_strip.py), and the first worker to need the model saves its config and float32
+    weights for the others (loaded again in 2 s). transformers will not `save_pretrained` a model
+    it read from a GGUF, hence the two calls."""
     import filelock
     import safetensors.torch
     import torch
@@ -178,8 +179,12 @@ def hf_gemma3(gemma3_path, tmp_path_factory):
     copy = run_folder(tmp_path_factory) / "hf_gemma3"
     with filelock.FileLock(f"{copy}.lock"):
         if not (copy / "model.safetensors").exists():
-            folder, name = os.path.split(gemma3_path)
-            model = transformers.Gemma3ForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            from gguf_strip import copy_without_vocabulary
+            copy.mkdir(exist_ok=True)
+            copy_without_vocabulary(gemma3_path, str(copy / "weights.gguf"))
+            model = transformers.Gemma3ForCausalLM.from_pretrained(copy, gguf_file="weights.gguf",
+                                                                   dtype=torch.float32)
+            (copy / "weights.gguf").unlink()
             model.config.save_pretrained(copy)
             safetensors.torch.save_model(model, str(copy / "model.safetensors"))
             return model.eval()

@@ -178,6 +178,23 @@ def test_tiny_llama_matches_transformers(tiny_path):
         rms_norm_eps=1e-5) == load_gguf(tiny_path)[0]
 
 
+def test_copy_without_vocabulary_keeps_everything_else(tiny_path, tmp_path):
+    """tests/gguf_strip.py, which the Gemma 3 reference model reads: tensors and every other
+    metadata entry as they were, and the vocabulary's size where transformers looks for it."""
+    from gguf_strip import copy_without_vocabulary
+    dropped = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
+    copy = str(tmp_path / "copy.gguf")
+    copy_without_vocabulary(tiny_path, copy)
+    before, after = gguf.GGUFReader(tiny_path), gguf.GGUFReader(copy)
+    assert set(after.fields) == set(before.fields) - dropped
+    for key in set(after.fields) - {"GGUF.kv_count"}:  # the header's count of entries
+        assert after.fields[key].contents() == before.fields[key].contents(), key
+    assert after.fields["llama.vocab_size"].contents() == len(before.fields["tokenizer.ggml.tokens"].contents())
+    assert [t.name for t in after.tensors] == [t.name for t in before.tensors]
+    for a, b in zip(after.tensors, before.tensors):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data), a.name
+
+
 def test_llama3_rope_freqs(tmp_path):
     """llama.cpp keeps Llama 3.1 RoPE scaling only as a `rope_freqs` tensor; it maps back to
     RopeScaling(llama3, factor 8, low 1, high 4, original 8192)."""
