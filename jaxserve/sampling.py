@@ -68,19 +68,27 @@ def argmax(logits: jax.Array, chunk: int = 512) -> jax.Array:
     return (best_chunk * chunk + within).astype(jnp.int32)
 
 
+def row_uniforms(seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """The uniform number in [0, 1) that each row [B] draws with: from its key, the request's
+    seed folded with the position of the token being sampled."""
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, positions)
+    return jax.vmap(jax.random.uniform)(keys)
+
+
 def _sample_random(logits, params: SamplingBatch, positions):
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, positions)
+    # Drawn once here, not in each branch below: threefry is hundreds of operations to compile.
+    u = row_uniforms(params.seed, positions)
     inverse_temperature = 1 / jnp.maximum(params.temperature, 1e-6)
     top_k = _top_k_or_vocab(params.top_k, logits.shape[-1])
     cuts = (top_k < logits.shape[-1]) | (params.top_p < 1)
 
     def filtered():
         scaled = logits * inverse_temperature[:, None]
-        return jax.lax.cond(jnp.any(cuts), lambda: _draw_filtered(keys, scaled, top_k, params.top_p, params.min_p),
-                            lambda: categorical(keys, _filter(scaled, top_k, params.top_p, params.min_p)))
+        return jax.lax.cond(jnp.any(cuts), lambda: _draw_filtered(u, scaled, top_k, params.top_p, params.min_p),
+                            lambda: categorical(u, _min_p_filter(scaled, params.min_p)))
     # Only a batch in which some row filters pays for finding the thresholds.
     return jax.lax.cond(jnp.any(cuts | (params.min_p > 0)), filtered,
-                        lambda: categorical(keys, logits, inverse_temperature))
+                        lambda: categorical(u, logits, inverse_temperature))
 
 
 def _top_k_or_vocab(top_k, vocab):
@@ -122,6 +130,13 @@ def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW, largest=No
     return jnp.where(_keeps(probs, probs.max(axis=-1, keepdims=True), nucleus, top_p, min_p), ranked, -jnp.inf)
 
 
+def _min_p_filter(scaled, min_p):
+    """`_filter` for a batch with no top-k or top-p cut: min-p alone, with no thresholds to find."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    best = probs.max(axis=-1, keepdims=True)
+    return jnp.where((probs >= min_p[:, None] * best) | (probs == best), scaled, -jnp.inf)
+
+
 def _nucleus(head, top_p):
     """The top-p cut [B] (a probability) read off each row's largest probabilities head [B, W]
     (largest first), and whether the window holds it [B]. The running mass down the window never
@@ -139,7 +154,7 @@ def _keeps(probs, best_prob, nucleus, top_p, min_p):
     return keep | (probs == best_prob)
 
 
-def _draw_filtered(keys, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW,
+def _draw_filtered(u, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW,
                    top_k_window: int = TOP_K_WINDOW):
     """One draw per row of scaled logits [B, V] after the cuts of `_filter`. A row whose kept
     tokens all lie among its `window` largest draws from those alone; only a batch with some
@@ -158,21 +173,23 @@ def _draw_filtered(keys, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDO
         # when the sampler is partitioned over a mesh.
         largest = best, best_ids = tuple(map(jax.lax.optimization_barrier, jax.lax.top_k(scaled, min(size, vocab))))
         kept, contained = _window_cuts(scaled, top_k, top_p, min_p, best)
-        drawn = categorical(keys, jnp.where(kept, best, -jnp.inf))
+        drawn = categorical(u, jnp.where(kept, best, -jnp.inf))
         return jnp.take_along_axis(best_ids, drawn[:, None], axis=-1)[:, 0], contained, largest
 
     def search_window():
         tokens, contained, largest = in_window(window)
         return jax.lax.cond(jnp.all(contained), lambda: tokens, lambda: jnp.where(
-            contained, tokens, categorical(keys, _filter(scaled, top_k, top_p, min_p, largest=largest))))
-
-    def small_window():  # ties across its edge fall back to the search window
-        tokens, contained, _ = in_window(top_k_window)
-        return jax.lax.cond(jnp.all(contained), lambda: tokens, search_window)
+            contained, tokens, categorical(u, _filter(scaled, top_k, top_p, min_p, largest=largest))))
 
     if top_k_window >= min(window, vocab):
         return search_window()
-    return jax.lax.cond(jnp.all(top_k < top_k_window), small_window, search_window)
+    rows = scaled.shape[0]
+    tokens, contained = jax.lax.cond(jnp.all(top_k < top_k_window), lambda: in_window(top_k_window)[:2],
+                                     lambda: (jnp.zeros(rows, jnp.int32), jnp.zeros(rows, bool)))
+    # Rows whose ties run across the small window's edge take the search window's draw; the one
+    # search window serves both cases, so it is compiled once.
+    return jax.lax.cond(jnp.all(contained), lambda: tokens,
+                        lambda: jnp.where(contained, tokens, search_window()))
 
 
 def _window_cuts(scaled, top_k, top_p, min_p, best):
@@ -217,10 +234,10 @@ def _largest_threshold(values: jax.Array, holds) -> jax.Array:
     return value(jax.lax.fori_loop(0, 32, step, jnp.zeros(values.shape[0], jnp.uint32)))
 
 
-def categorical(keys: jax.Array, logits: jax.Array, scale: jax.Array | float = 1.0, chunk: int = 512) -> jax.Array:
+def categorical(u: jax.Array, logits: jax.Array, scale: jax.Array | float = 1.0, chunk: int = 512) -> jax.Array:
     """One draw per row of logits [B, V] from softmax(logits * scale) (scale [B]: an inverse
-    temperature, applied inside the one pass over the vocabulary), with one uniform number per row: the
-    number is placed on the rows' cumulative probability, first among [V/chunk] chunk totals,
+    temperature, applied inside the one pass over the vocabulary), with one uniform number u [B]
+    in [0, 1) per row: the number is placed on the rows' cumulative probability, first among [V/chunk] chunk totals,
     then within the chunk it fell in. jax.random.categorical draws a Gumbel number per vocabulary
     entry instead, which on CPU costs 50x this for a 262k vocabulary (threefry)."""
     b, v = logits.shape
@@ -229,8 +246,7 @@ def categorical(keys: jax.Array, logits: jax.Array, scale: jax.Array | float = 1
     scale = jnp.broadcast_to(jnp.asarray(scale, logits.dtype), (b,))[:, None, None]
     weights = jnp.exp((chunks - chunks.max(axis=(1, 2), keepdims=True)) * scale)  # [B, V/chunk, chunk]
     mass = weights.sum(axis=-1)
-    u = jax.vmap(jax.random.uniform)(keys) * mass.sum(axis=-1)  # a point in [0, total) per row
-    which, offset = _locate(mass, u)
+    which, offset = _locate(mass, u * mass.sum(axis=-1))  # a point in [0, total) per row
     row = jnp.take_along_axis(weights, which[:, None, None], axis=1)[:, 0]
     within, _ = _locate(row, offset)
     return (which * chunk + within).astype(jnp.int32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sampling import (SamplingBatch, _draw_filtered, _filter, _top_k_or_vocab, _window_cuts, argmax,
-                               categorical, sample, token_logprobs)
+                               categorical, row_uniforms, sample, token_logprobs)
 
 
 def batch(n, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
@@ -104,20 +104,20 @@ def test_window_holds_all_kept_tokens_exactly_when_sorting_says_so(top_k, top_p,
 
 
 def test_draws_from_the_window_and_from_the_vocabulary_follow_the_kept_softmax():
-    """Rows drawn from many keys at top-p 0.8: one whose kept tokens lie in a window of 8 (4 of
+    """Rows drawn with many uniform numbers at top-p 0.8: one whose kept tokens lie in a window of 8 (4 of
     them), and again with a window of 2 (drawn over the vocabulary), and in one batch with a row
     that keeps 12 tied tokens, beyond the window of 8."""
     short = np.log(np.array([0.3, 0.25, 0.2, 0.1] + [0.15 / 16] * 16, np.float32))
     flat = np.log(np.array([0.9 / 12] * 12 + [0.1 / 8] * 8, np.float32))
     n = 4000
-    keys = jax.vmap(jax.random.key)(jnp.arange(n, dtype=jnp.uint32))
+    u = row_uniforms(jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
     top_k, top_p, min_p = jnp.zeros(n, jnp.int32), jnp.full(n, 0.8), jnp.zeros(n)
     draw = jax.jit(_draw_filtered, static_argnames="window")
     expected_short = np.array([0.3, 0.25, 0.2, 0.1]) / 0.85
     for window in (8, 2):
-        draws = np.asarray(draw(keys, jnp.asarray(np.tile(short, (n, 1))), top_k, top_p, min_p, window=window))
+        draws = np.asarray(draw(u, jnp.asarray(np.tile(short, (n, 1))), top_k, top_p, min_p, window=window))
         np.testing.assert_allclose(np.bincount(draws, minlength=20) / n, np.pad(expected_short, (0, 16)), atol=0.03)
-    mixed = np.asarray(draw(keys, jnp.asarray(np.tile([short, flat], (n // 2, 1))), top_k, top_p, min_p, window=8))
+    mixed = np.asarray(draw(u, jnp.asarray(np.tile([short, flat], (n // 2, 1))), top_k, top_p, min_p, window=8))
     np.testing.assert_allclose(np.bincount(mixed[::2], minlength=20) / (n // 2), np.pad(expected_short, (0, 16)),
                                atol=0.03)
     np.testing.assert_allclose(np.bincount(mixed[1::2], minlength=20) / (n // 2), [1 / 12] * 12 + [0] * 8, atol=0.03)
@@ -151,9 +151,9 @@ def test_a_top_k_batch_draws_in_the_small_window_what_it_draws_in_the_search_win
     ties = set(np.flatnonzero(logits[5] == 12.0).tolist())
     drawn_ties = set()
     for position in range(40):
-        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), position))(jnp.arange(6, dtype=jnp.uint32))
+        u = row_uniforms(jnp.arange(6, dtype=jnp.uint32), jnp.full(6, position))
         for rows in (slice(0, 5), slice(0, 6)):  # without the tied row, then with it
-            args = (keys[rows], jnp.asarray(logits[rows]), top_k[rows], top_p[rows], min_p[rows])
+            args = (u[rows], jnp.asarray(logits[rows]), top_k[rows], top_p[rows], min_p[rows])
             small = np.asarray(draw(*args, top_k_window=256))
             np.testing.assert_array_equal(small, np.asarray(draw(*args, top_k_window=10 ** 6)))
         assert small[0] == logits[0].argmax()
@@ -181,11 +181,11 @@ def test_categorical_follows_softmax_across_chunks():
     row = np.full(vocab, -np.inf, np.float32)
     row[tokens] = np.log(probs)
     n = 8000
-    keys = jax.vmap(jax.random.key)(jnp.arange(n, dtype=jnp.uint32))
-    draws = np.asarray(jax.jit(categorical)(keys, jnp.asarray(np.tile(row, (n, 1)))))
+    u = row_uniforms(jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
+    draws = np.asarray(jax.jit(categorical)(u, jnp.asarray(np.tile(row, (n, 1)))))
     assert set(draws.tolist()) <= set(tokens)
     np.testing.assert_allclose([(draws == t).mean() for t in tokens], probs, atol=0.02)
-    hot = np.asarray(categorical(keys[:4], jnp.asarray(np.tile(row, (4, 1))), jnp.full(4, 1e6)))
+    hot = np.asarray(categorical(u[:4], jnp.asarray(np.tile(row, (4, 1))), jnp.full(4, 1e6)))
     np.testing.assert_array_equal(hot, [3] * 4)  # a huge inverse temperature is greedy
 
 
