@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 LOGIT_TOL = 5e-4  # float32 on both sides (measured 6e-5 against logits up to 29)
 NEAR_TIE = 0.05
+TOKENS = 32  # generated per prompt, and compared up to the first near tie
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of"]
 
@@ -40,8 +41,8 @@ def float32_logits(engine, weights):
 
 @pytest.fixture(scope="module")
 def float32_outputs(engine):
-    """The float32 engine's greedy outputs (64 tokens, top-2 logprobs), shared by two tests."""
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2))
+    """The float32 engine's greedy outputs (32 tokens, top-2 logprobs), shared by two tests."""
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=2))
 
 
 def test_logits_close_to_hugging_face(hf_gemma3, float32_logits):
@@ -58,7 +59,7 @@ def test_greedy_generation_matches_hugging_face_up_to_first_near_tie(engine, hf_
     for prompt, out in zip(PROMPTS, float32_outputs):
         ids = torch.tensor([engine.tokenizer.encode(prompt)])
         with torch.no_grad():
-            ref = hf_gemma3.generate(ids, max_new_tokens=32, do_sample=False, output_scores=True,
+            ref = hf_gemma3.generate(ids, max_new_tokens=TOKENS, do_sample=False, output_scores=True,
                                      return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
         ref_tokens = ref.sequences[0, ids.shape[1]:].tolist()
         for step, scores in enumerate(ref.scores):
@@ -75,7 +76,7 @@ def test_default_dtype_tracks_float32_up_to_the_first_near_tie(float32_outputs):
     first position where float32's top-2 log-probability margin is under 0.1."""
     default = Engine.from_pretrained(None, EngineConfig(max_slots=8, max_model_len=256, num_pages=480))
     assert default.config.weights_dtype == "bfloat16"
-    got = default.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    got = default.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
     compared = 0
     for prompt, ref, out in zip(PROMPTS, float32_outputs, got):
         for step, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
@@ -83,7 +84,7 @@ def test_default_dtype_tracks_float32_up_to_the_first_near_tie(float32_outputs):
                 break
             assert out.token_ids[step] == token, f"{prompt!r}: token {step} differs before any near tie"
             compared += 1
-    print(f"default dtype vs float32: {compared} of {5 * 64} greedy tokens compared before near ties, all equal")
+    print(f"default dtype vs float32: {compared} of {5 * TOKENS} greedy tokens compared before near ties, all equal")
     assert compared >= 5 * 8, f"only {compared} tokens compared before near ties"
 
 

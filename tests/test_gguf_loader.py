@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from jaxserve.model.config import ModelConfig  # noqa: E402
-from jaxserve.model.gguf_loader import load_gguf, open_gguf  # noqa: E402
+from jaxserve.model.gguf_loader import load_gguf, open_gguf, read_tensor  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -389,10 +389,12 @@ def test_gemma_bfloat16_is_rounded_float32(gemma, gemma3_path):
     import ml_dtypes
 
     _, w32 = gemma
-    _, w16 = load_gguf(gemma3_path, dtype="bfloat16")
-    for name in ("embed", "layers.3.q_proj", "layers.17.down_proj", "final_norm"):
-        assert w16[name].dtype == ml_dtypes.bfloat16
-        np.testing.assert_array_equal(w16[name], w32[name].astype(ml_dtypes.bfloat16))
+    f = open_gguf(gemma3_path)  # four tensors (Q8_0, Q5_0, Q6_K, F32), not the whole file again
+    for name, stored in (("embed", "token_embd.weight"), ("layers.3.q_proj", "blk.3.attn_q.weight"),
+                         ("layers.17.down_proj", "blk.17.ffn_down.weight"), ("final_norm", "output_norm.weight")):
+        w16 = read_tensor(f, stored, "bfloat16", transpose=name.endswith("proj"))
+        assert w16.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(w16, w32[name].astype(ml_dtypes.bfloat16))
 
 
 @pytest.mark.slow
