@@ -164,7 +164,7 @@ class Runner:
         return mask
 
     def _place_rows(self, x: np.ndarray):
-        return jnp.asarray(x) if self.mesh is None else self._place(x)
+        return jax.device_put(x) if self.mesh is None else self._place(x)
 
     @property
     def mask_words(self) -> int:
@@ -196,7 +196,7 @@ class Runner:
 
     def _zeros_slot_tokens(self):
         zeros = np.zeros(self.config.max_slots, np.int32)
-        return jnp.asarray(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
+        return jax.device_put(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
 
     def recover(self) -> bool:
         """After a failed step, which may have consumed the donated pool: fresh state if so.

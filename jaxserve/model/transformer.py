@@ -67,7 +67,7 @@ class Transformer(nnx.Module):
         # moved to the device once (op by op on the device, the load took seconds longer, most
         # of it after the constructor returned); jax.Arrays (a sharded restore) on their devices.
         xp = jnp if any(isinstance(w, jax.Array) for w in weights.values()) else np
-        put = jnp.asarray
+        put = jax.device_put  # a transfer; jnp.asarray would compile a copy program per shape
         self.embed = nnx.Param(put(xp.asarray(weights["embed"], dtype)))  # [V, D]
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(put(xp.asarray(weights["lm_head"], dtype)))
         self.final_norm = RMSNorm(put(xp.asarray(weights["final_norm"], jnp.float32)), cfg.rms_norm_eps)
