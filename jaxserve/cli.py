@@ -50,6 +50,8 @@ def serve(args: argparse.Namespace) -> None:
                          "pip install 'jaxserve[server]'")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.engine_restarts < 0:
         raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
     if args.replicas is not None:
@@ -113,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template (for a model without one of its own, e.g. an instruction-tuned "
                           "checkpoint converted without it)")
+    srv.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                     help="max_tokens of a request that sets none (default: 16 for a completion, as OpenAI's; "
+                          "the rest of the context for a chat completion)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM or SIGINT, how long requests in flight may take to finish before they are "
                           "ended (new requests get 503 meanwhile; a second signal stops at once; default 30)")

@@ -48,10 +48,16 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               model_name: str | None = None, chat_template: str | None = None) -> FastAPI:
+               model_name: str | None = None, chat_template: str | None = None,
+               default_max_tokens: int | None = None) -> FastAPI:
     """The app over an EngineClient (its engine in another process, or a thread); over an
     EngineFactory, whose engine process the app starts; or over an Engine object, whose loop then
-    runs in a thread. The app stops what it started when it shuts down."""
+    runs in a thread. The app stops what it started when it shuts down.
+
+    `default_max_tokens` is the max_tokens of a request that sets none; without it, a completion
+    gets OpenAI's 16 and a chat completion the rest of the context."""
+    if default_max_tokens is not None and (not isinstance(default_max_tokens, int) or default_max_tokens < 1):
+        raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
     owned = not isinstance(engine_or_client, EngineClient)
     if isinstance(engine_or_client, EngineFactory):
         client = EngineClient.spawn(engine_or_client)
@@ -165,7 +171,8 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
                    for p in texts]
         echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
                 for p in texts]
-        params = _sampling(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
+        max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens or 16
+        params = _sampling(body, max_tokens, body.logprobs,
                            info.vocab_size, constraint(body, chat=False)[0])
         payload = Payload(prompts, params, body.n, echo, chat=False, logprobs=body.logprobs is not None,
                           include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
@@ -201,7 +208,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
             raise ApiError(400, "the rendered chat is empty", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, info.max_model_len - len(prompt))
+            max_tokens = default_max_tokens or max(1, info.max_model_len - len(prompt))
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, info.vocab_size,
                            structured)
         payload = Payload([prompt], params, body.n, [""], chat=True, logprobs=bool(body.logprobs),
@@ -295,7 +302,8 @@ def run(args, client: EngineClient, start: float) -> None:
     def when_ready():
         try:
             client.wait_ready()
-            app.app = create_app(client, api_key=args.api_key, chat_template=args.chat_template)
+            app.app = create_app(client, api_key=args.api_key, chat_template=args.chat_template,
+                                 default_max_tokens=args.default_max_tokens)
         except Exception as e:  # noqa: BLE001 — reported, and the server stops with an error
             if not stopping.is_set():
                 app.failed = str(e)

@@ -209,3 +209,22 @@ def test_api_process_imports_neither_the_cli_nor_jax():
     code = "import sys, jaxserve.server; print('jaxserve.cli' in sys.modules, 'jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_max_tokens_defaults_to_16_for_completions_the_context_for_chat_or_the_servers_default(server, client):
+    def completion_tokens(srv, path, body):
+        r = post(srv, path, {**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    completion = {"prompt": "the quick brown fox"}
+    chat = {"messages": MESSAGES}
+    assert completion_tokens(server, "/v1/completions", completion)["completion_tokens"] == 16
+    usage = completion_tokens(server, CHAT, chat)
+    assert usage["completion_tokens"] == client.info.max_model_len - usage["prompt_tokens"]
+    with ServerThread(create_app(client, default_max_tokens=3)) as capped:
+        assert completion_tokens(capped, "/v1/completions", completion)["completion_tokens"] == 3
+        assert completion_tokens(capped, CHAT, chat)["completion_tokens"] == 3
+        assert completion_tokens(capped, CHAT, {**chat, "max_tokens": 5})["completion_tokens"] == 5
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        create_app(client, default_max_tokens=0)
+    wait_idle(server)
