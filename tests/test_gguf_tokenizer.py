@@ -45,9 +45,11 @@ def ours(gemma3_path):
 
 @pytest.fixture(scope="module")
 def hf(gemma3_path):
+    """transformers' tokenizer for the file: the class AutoTokenizer picks for it, named, since
+    AutoTokenizer reads the GGUF's 262k-token vocabulary once more for the config (32 s, not 9)."""
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(gemma3_path)
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return transformers.GemmaTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 @pytest.mark.slow
