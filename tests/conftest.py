@@ -19,12 +19,13 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".
 
 
 # The files that take longest (minutes each on 2 cores), longest first. pytest-xdist hands whole
-# files to its workers in collection order (--dist loadfile), so these start first and the many
-# short files fill in around them, rather than one long file running alone at the end.
-LONGEST_FIRST = ["test_gemma3_real.py", "test_server_clients.py", "test_sharding.py", "test_gguf_loader.py",
-                 "test_startup.py", "test_ray_serve.py", "test_token_budget.py", "test_engine_hybrid_kv.py",
-                 "test_kv_in_place.py", "test_gguf_tokenizer.py", "test_dashboard_browser.py",
-                 "test_multihost_serve.py"]
+# files to its workers in collection order (--dist loadfile, and --no-loadscope-reorder: by default
+# it would order them by their number of tests), so these start first and the many short files fill
+# in around them, rather than one long file running alone at the end.
+LONGEST_FIRST = ["test_sharding.py", "test_gemma3_real.py", "test_server_clients.py", "test_ray_serve.py",
+                 "test_pallas_ragged_attention.py", "test_engine_hybrid_kv.py", "test_token_budget.py",
+                 "test_multihost_serve.py", "test_engine.py", "test_startup.py", "test_engine_prefix_cache.py",
+                 "test_sampling.py", "test_dashboard_browser.py", "test_gguf_loader.py", "test_model_parity.py"]
 
 
 def pytest_collection_modifyitems(items):
