@@ -18,14 +18,17 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitt
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
-# The files that take longest (minutes each on 2 cores), longest first. pytest-xdist hands whole
+# The files that take longest (over 10 s each on 2 cores), longest first. pytest-xdist hands whole
 # files to its workers in collection order (--dist loadfile, and --no-loadscope-reorder: by default
 # it would order them by their number of tests), so these start first and the many short files fill
 # in around them, rather than one long file running alone at the end.
-LONGEST_FIRST = ["test_sharding.py", "test_gemma3_real.py", "test_server_clients.py", "test_ray_serve.py",
-                 "test_pallas_ragged_attention.py", "test_engine_hybrid_kv.py", "test_token_budget.py",
-                 "test_multihost_serve.py", "test_engine.py", "test_startup.py", "test_engine_prefix_cache.py",
-                 "test_sampling.py", "test_dashboard_browser.py", "test_gguf_loader.py", "test_model_parity.py"]
+LONGEST_FIRST = ["test_sharding.py", "test_gemma3_real.py", "test_pallas_ragged_attention.py",
+                 "test_server_clients.py", "test_engine_hybrid_kv.py", "test_multihost_serve.py", "test_engine.py",
+                 "test_ray_serve.py", "test_token_budget.py", "test_startup.py", "test_sampling.py",
+                 "test_engine_prefix_cache.py", "test_server_shutdown.py", "test_model_parity.py",
+                 "test_dashboard_browser.py", "test_server.py", "test_structured_output.py", "test_kv_in_place.py",
+                 "test_multiprocess.py", "test_gguf_loader.py", "test_gguf_tokenizer.py", "test_server_api.py",
+                 "test_ragged_reference.py", "test_engine_restart.py"]
 
 
 def pytest_collection_modifyitems(items):
