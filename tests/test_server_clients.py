@@ -20,12 +20,18 @@ HERE = os.path.dirname(__file__)
 
 
 @pytest.fixture(scope="module")
-def serve(checkpoints, tmp_path_factory):
+def cache_dir(tmp_path_factory):
+    """The module's compile cache: empty for `serve`, then holding its programs for later servers."""
+    return str(tmp_path_factory.mktemp("cold-cache"))
+
+
+@pytest.fixture(scope="module")
+def serve(checkpoints, tmp_path_factory, cache_dir):
     # An empty compile cache: every step program compiles while /health reports the progress.
     # Schemathesis sends hundreds of chat requests without max_tokens: 16 tokens each, not the rest
     # of the context, is the same answer to check against the schema in a fraction of the time.
     s = Serve(checkpoints("llama"), str(tmp_path_factory.mktemp("serve") / "serve.log"),
-              cache_dir=str(tmp_path_factory.mktemp("cold-cache")), args=("--default-max-tokens", "16"))
+              cache_dir=cache_dir, args=("--default-max-tokens", "16"))
     # Compile the shapes the runs below use, so no request waits for XLA.
     for stream in (False, True):
         httpx.post(s.url + "/v1/completions", timeout=120, json={
@@ -117,8 +123,8 @@ def test_64_concurrent_streams_lose_nothing(serve):
     assert wait_idle(serve, timeout=30)["jaxserve_kv_pages_used"] == 0
 
 
-def test_engine_process_death_makes_health_503(checkpoints, tmp_path):
-    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"), args=("--engine-restarts", "0"))
+def test_engine_process_death_makes_health_503(checkpoints, tmp_path, serve, cache_dir):
+    s = Serve(checkpoints("llama"), str(tmp_path / "serve.log"), cache_dir=cache_dir, args=("--engine-restarts", "0"))
     try:
         s.engine_process().kill()
         deadline = time.monotonic() + 20
