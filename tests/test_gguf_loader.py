@@ -229,6 +229,27 @@ def test_bfloat16(tiny_path):
         load_gguf(tiny_path, dtype="int8")
 
 
+def test_a_second_dtype_is_rounded_from_the_converted_float32(tiny_path, tmp_path, monkeypatch):
+    """load_model keeps each dtype's conversion; once float32's exists, bfloat16's is its rounding
+    (the same bits as converting the GGUF again), without reading the GGUF."""
+    import ml_dtypes
+
+    from jaxserve.model import gguf_loader
+    from jaxserve.model.loader import load_model
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    _, w32, tok32, _ = load_model(tiny_path, "float32")
+    monkeypatch.setattr(gguf_loader, "load_gguf", lambda *a, **k: pytest.fail("the GGUF was converted again"))
+    _, w16, tok16, _ = load_model(tiny_path, "bfloat16")
+    _, again, _, _ = load_model(tiny_path, "bfloat16")  # now from its own conversion
+    _, expected = load_gguf(tiny_path, dtype="bfloat16")
+    for name, value in expected.items():
+        assert w16[name].dtype == again[name].dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(w16[name].view(np.uint16), value.view(np.uint16), err_msg=name)
+        np.testing.assert_array_equal(again[name].view(np.uint16), value.view(np.uint16), err_msg=name)
+    assert tok16.encode("hello world") == tok32.encode("hello world")
+    assert sorted(p.name.rsplit("-", 2)[1] for p in tmp_path.iterdir()) == ["bfloat16", "float32"]
+
+
 def test_metadata_matches_gguf_reader(tiny_path):
     """Our header parser agrees with gguf.GGUFReader on every key and tensor."""
     ours = open_gguf(tiny_path)

@@ -37,17 +37,18 @@ def load_model(path: str | None, dtype: str = "float32", sharding_for=None
     gives `restore_checkpoint` its per-weight shardings for Orbax checkpoints (jax.Arrays then)."""
     if path is None:
         from jaxserve.model.default_model import NAME, default_model_path, default_model_version
-        cache = os.path.join(cache_root(), f"{NAME}-{default_model_version()}-{dtype}-{CACHE_FORMAT}")
-        return _load_gguf_cached(cache, default_model_path, dtype) + (NAME,)
+        version = default_model_version()
+        return _load_gguf_cached(lambda dt: os.path.join(cache_root(), f"{NAME}-{version}-{dt}-{CACHE_FORMAT}"),
+                                 default_model_path, dtype) + (NAME,)
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     name = os.path.basename(os.path.normpath(path))
     if path.endswith(".gguf"):
         stat = os.stat(path)
-        cache = os.path.join(cache_root(), f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}-{dtype}"
-                                           f"-{CACHE_FORMAT}")
-        return _load_gguf_cached(cache, lambda: path, dtype) + (name.removesuffix(".gguf"),)
+        stem = f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}"
+        return _load_gguf_cached(lambda dt: os.path.join(cache_root(), f"{stem}-{dt}-{CACHE_FORMAT}"),
+                                 lambda: path, dtype) + (name.removesuffix(".gguf"),)
     if is_checkpoint(path):
         cfg, weights = restore_checkpoint(path, dtype, sharding_for and sharding_for(load_config(path)))
         return cfg, weights, _tokenizer_in(path), name
@@ -60,10 +61,21 @@ def _tokenizer_in(path: str) -> Tokenizer | None:
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
 
 
-def _load_gguf_cached(cache: str, gguf_path, dtype: str):
+def _load_gguf_cached(cache_for, gguf_path, dtype: str):
+    """`cache_for(dtype)` is where the GGUF converted to `dtype` is kept."""
+    cache = cache_for(dtype)
     if is_checkpoint(cache):
         cfg, weights = restore_checkpoint(cache, dtype)
         return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(cache))
+    float32 = cache_for("float32")
+    if is_checkpoint(float32):  # the GGUF dequantized already: rounding its float32 gives the same bits
+        cfg, weights = restore_checkpoint(float32, dtype)
+        files = {}
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            with open(os.path.join(float32, name)) as f:
+                files[name] = f.read()
+        _save(cache, cfg, weights, files)
+        return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(float32))
     from jaxserve.model.gguf_loader import load_gguf
     from jaxserve.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
     path = gguf_path()
@@ -73,13 +85,16 @@ def _load_gguf_cached(cache: str, gguf_path, dtype: str):
     special = {name: hf_tokenizer.id_to_token(i) for name, i in
                (("bos_token", cfg.bos_token_id), ("eos_token", cfg.eos_token_ids[0] if cfg.eos_token_ids else None))
                if i is not None}
+    _save(cache, cfg, weights, {"tokenizer.json": hf_tokenizer.to_str(),
+                                "tokenizer_config.json": json.dumps({"chat_template": template, **special})})
+    return cfg, weights, _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
+
+
+def _save(cache: str, cfg: ModelConfig, weights, files: dict[str, str]) -> None:
     try:
-        save_checkpoint(cache, cfg, weights, {"tokenizer.json": hf_tokenizer.to_str(),
-                                              "tokenizer_config.json": json.dumps({"chat_template": template,
-                                                                                   **special})})
+        save_checkpoint(cache, cfg, weights, files)
     except OSError:
         pass  # a read-only cache only costs the conversion next time (or another process saved it first)
-    return cfg, weights, _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
 
 
 def _with_builtin_template(cfg: ModelConfig, tokenizer: Tokenizer | None) -> Tokenizer | None:
