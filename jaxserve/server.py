@@ -54,8 +54,9 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
     EngineFactory, whose engine process the app starts; or over an Engine object, whose loop then
     runs in a thread. The app stops what it started when it shuts down.
 
-    `default_max_tokens` is the max_tokens of a request that sets none; without it, a completion
-    gets OpenAI's 16 and a chat completion the rest of the context."""
+    `default_max_tokens` is the max_tokens of a request that sets none, within the context its
+    prompt leaves; without it, a completion gets OpenAI's 16 and a chat completion the rest of the
+    context."""
     if default_max_tokens is not None and (not isinstance(default_max_tokens, int) or default_max_tokens < 1):
         raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
     owned = not isinstance(engine_or_client, EngineClient)
@@ -70,6 +71,11 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
     templates = ChatTemplates(tokenizer, info.chat_template_source, chat_template)
     metrics = client.metrics
     auth = api_key is not None
+
+    def room(prompt_tokens: int) -> int:
+        """The tokens the context leaves after `prompt_tokens` (at least 1: a prompt that fills
+        the context is answered with the 400 that names both numbers)."""
+        return max(1, info.max_model_len - prompt_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -171,7 +177,9 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
                    for p in texts]
         echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
                 for p in texts]
-        max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens or 16
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, room(max(map(len, prompts)))) if default_max_tokens else 16
         params = _sampling(body, max_tokens, body.logprobs,
                            info.vocab_size, constraint(body, chat=False)[0])
         payload = Payload(prompts, params, body.n, echo, chat=False, logprobs=body.logprobs is not None,
@@ -208,7 +216,7 @@ def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int
             raise ApiError(400, "the rendered chat is empty", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
-            max_tokens = default_max_tokens or max(1, info.max_model_len - len(prompt))
+            max_tokens = min(default_max_tokens or info.max_model_len, room(len(prompt)))
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, info.vocab_size,
                            structured)
         payload = Payload([prompt], params, body.n, [""], chat=True, logprobs=bool(body.logprobs),

@@ -26,12 +26,14 @@ LOGITS_TEXT = PROMPTS[2] + " there lived an old clockmaker who"  # a prompt, the
 
 @pytest.fixture(scope="module", autouse=True)
 def engine_process(tmp_path_factory):
-    """The engine side of every test, started before transformers loads (see `engine_outputs`)."""
-    out = tmp_path_factory.mktemp("gemma3_engine") / "outputs.npz"
+    """The engine side of every test (`run_engine`), started before transformers loads; its output
+    goes to a file, so it never waits on a full pipe while this process is busy."""
+    folder = tmp_path_factory.mktemp("gemma3_engine")
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", ""))
-    proc = subprocess.Popen([sys.executable, __file__, str(out)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    yield proc, out
+    with open(folder / "engine.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, __file__, str(folder / "outputs.npz")], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    yield proc, folder
     proc.kill()
 
 
@@ -39,10 +41,9 @@ def engine_process(tmp_path_factory):
 def engine(engine_process):
     """What the subprocess wrote: prompt ids, float32 and bfloat16 greedy tokens (float32's with
     their top-2 logprobs) and the logits of LOGITS_TEXT through the paged pool in both dtypes."""
-    proc, out = engine_process
-    log, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, log[-6000:]
-    return dict(np.load(out))
+    proc, folder = engine_process
+    assert proc.wait(timeout=900) == 0, (folder / "engine.log").read_text()[-6000:]
+    return dict(np.load(folder / "outputs.npz"))
 
 
 def test_logits_close_to_hugging_face(hf_gemma3, engine):

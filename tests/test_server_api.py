@@ -212,19 +212,24 @@ def test_api_process_imports_neither_the_cli_nor_jax():
 
 
 def test_max_tokens_defaults_to_16_for_completions_the_context_for_chat_or_the_servers_default(server, client):
-    def completion_tokens(srv, path, body):
+    def usage(srv, path, body):
         r = post(srv, path, {**body, "ignore_eos": True})
         assert r.status_code == 200, r.text
         return r.json()["usage"]
     completion = {"prompt": "the quick brown fox"}
     chat = {"messages": MESSAGES}
-    assert completion_tokens(server, "/v1/completions", completion)["completion_tokens"] == 16
-    usage = completion_tokens(server, CHAT, chat)
-    assert usage["completion_tokens"] == client.info.max_model_len - usage["prompt_tokens"]
+    context = client.info.max_model_len
+    assert usage(server, "/v1/completions", completion)["completion_tokens"] == 16
+    chat_usage = usage(server, CHAT, chat)
+    assert chat_usage["completion_tokens"] == context - chat_usage["prompt_tokens"]
     with ServerThread(create_app(client, default_max_tokens=3)) as capped:
-        assert completion_tokens(capped, "/v1/completions", completion)["completion_tokens"] == 3
-        assert completion_tokens(capped, CHAT, chat)["completion_tokens"] == 3
-        assert completion_tokens(capped, CHAT, {**chat, "max_tokens": 5})["completion_tokens"] == 5
+        assert usage(capped, "/v1/completions", completion)["completion_tokens"] == 3
+        assert usage(capped, CHAT, chat)["completion_tokens"] == 3
+        assert usage(capped, CHAT, {**chat, "max_tokens": 5})["completion_tokens"] == 5
+    with ServerThread(create_app(client, default_max_tokens=context)) as roomy:  # past what the prompt leaves
+        for path, body in (("/v1/completions", completion), (CHAT, chat)):
+            got = usage(roomy, path, body)
+            assert got["completion_tokens"] == context - got["prompt_tokens"], path
     with pytest.raises(ValueError, match="default_max_tokens"):
         create_app(client, default_max_tokens=0)
     wait_idle(server)

@@ -67,15 +67,15 @@ def _load_gguf_cached(cache_for, gguf_path, dtype: str):
     if is_checkpoint(cache):
         cfg, weights = restore_checkpoint(cache, dtype)
         return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(cache))
-    float32 = cache_for("float32")
-    if is_checkpoint(float32):  # the GGUF dequantized already: rounding its float32 gives the same bits
-        cfg, weights = restore_checkpoint(float32, dtype)
+    float32_cache = cache_for("float32")
+    if is_checkpoint(float32_cache):  # the GGUF dequantized already: rounding its float32 gives the same bits
+        cfg, weights = restore_checkpoint(float32_cache, dtype)
         files = {}
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            with open(os.path.join(float32, name)) as f:
+            with open(os.path.join(float32_cache, name)) as f:
                 files[name] = f.read()
         _save(cache, cfg, weights, files)
-        return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(float32))
+        return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(float32_cache))
     from jaxserve.model.gguf_loader import load_gguf
     from jaxserve.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
     path = gguf_path()
