@@ -248,6 +248,7 @@ def test_a_second_dtype_is_rounded_from_the_converted_float32(tiny_path, tmp_pat
         np.testing.assert_array_equal(again[name].view(np.uint16), value.view(np.uint16), err_msg=name)
     assert tok16.encode("hello world") == tok32.encode("hello world")
     assert sorted(p.name.rsplit("-", 2)[1] for p in tmp_path.iterdir()) == ["bfloat16", "float32"]
+    assert all((p / "weights.safetensors").is_file() for p in tmp_path.iterdir())  # the fast form, not Orbax's
 
 
 def test_metadata_matches_gguf_reader(tiny_path):

@@ -279,6 +279,13 @@ def check_orbax(tmp: str) -> dict:
         assert isinstance(again[name], jax.Array) and again[name].sharding.mesh == mesh
         np.testing.assert_array_equal(np.asarray(again[name]), value, err_msg=name)  # bit-exact
     assert shard_shapes(again["layers.1.down_proj"]) == {(64, 64)}
+    # The loader's safetensors form (its cache of converted GGUFs) restores into the same layout.
+    third = os.path.join(tmp, "third")
+    save_checkpoint(third, cfg, weights, safetensors=True)
+    _, placed = restore_checkpoint(third, "float32", canonical_sharding_for(mesh, cfg))
+    for name, value in weights.items():
+        assert placed[name].sharding == again[name].sharding, name
+        np.testing.assert_array_equal(np.asarray(placed[name]), value, err_msg=name)
     engine = Engine.from_pretrained(second, engine_config({"data": 4, "model": 2}))
     return {"tokens": generate(engine)}
 

