@@ -38,11 +38,8 @@ def allocate_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sh
     """Zeroed pool (k, v), each [N, P, M, S, K] of `dtype` (a storage dtype), placed with
     `sharding` if given."""
     shape = (cfg.num_kv_heads, kv_groups(cfg).layers_per_page, num_pages, page_size, cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding).lower()
-    if jax.default_backend() == "cpu":
-        # GiBs of zeros: XLA:CPU writes them 3x slower from a program compiled without
-        # optimization (XLA_FLAGS=--xla_backend_optimization_level=0) than with it.
-        zeros = zeros.compile(compiler_options={"xla_backend_optimization_level": 3})
-    else:
-        zeros = zeros.compile()
+    # GiBs of zeros: XLA:CPU writes them 3x slower from a program compiled without optimization
+    # (XLA_FLAGS=--xla_backend_optimization_level=0) than with it, so the level is set here.
+    options = {"xla_backend_optimization_level": 3} if jax.default_backend() == "cpu" else None
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding).lower().compile(compiler_options=options)
     return zeros(), zeros()

@@ -19,8 +19,9 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".
 # glibc's malloc asks for transparent huge pages, for the xdist workers and every process a test
 # starts (servers, engines, the sharding checks): the suite's many fresh pools and weights are then
 # faulted in 2 MiB at a time, not 4 KiB (the sharding checks: 26 -> 11 s of system time).
-if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1"]))
+_tunables = os.environ.get("GLIBC_TUNABLES", "")
+if "glibc.malloc.hugetlb" not in _tunables:
+    os.environ["GLIBC_TUNABLES"] = f"{_tunables}:glibc.malloc.hugetlb=1".lstrip(":")
 
 
 # The files that take longest (over 10 s each on 2 cores), longest first. pytest-xdist hands whole

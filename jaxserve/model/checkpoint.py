@@ -75,7 +75,8 @@ def restore_checkpoint(path: str, dtype: str = "float32",
                        sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None
                        ) -> tuple[ModelConfig, dict]:
     """Restores (config, weights). With `sharding_for(name, shape)`, each weight comes back as a
-    jax.Array laid out in that sharding, read shard by shard; without it, as numpy arrays."""
+    jax.Array laid out in that sharding (from Orbax read shard by shard, from safetensors read
+    whole and placed); without it, as numpy arrays."""
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path!r} is not a jaxserve checkpoint "
                                 f"(needs {CONFIG_FILE} and {WEIGHTS_DIR}/ or {WEIGHTS_FILE})")

