@@ -176,7 +176,7 @@ def main(argv=None) -> None:
                 runs[-1]["cpu_s"] = {k: after[k] - before[k] for k in after}
         finally:
             server.stop()
-        results[name] = runs
+        results.setdefault(name, []).extend(runs)  # a configuration named twice: both servers' passes
         for run in runs:
             print(f"{name:12s} started in {started:5.1f} s: {run['requests_per_s']:6.2f} req/s "
                   f"{run['output_tok_per_s']:7.1f} out tok/s  hit rate {run['hit_rate']:.3f}  "
