@@ -8,6 +8,11 @@ payload: an entry that fails the check, or fails to load, is logged, removed and
 
 Loading runs pickle, so the folder must be the user's own (like jax's persistent cache): entries
 are written with the process's umask into a folder made 0700.
+
+Every new engine version, config or jax version starts a new fingerprint, and an old one is never
+read again: when the folder outgrows `max_bytes` (`$JAXSERVE_COMPILE_CACHE_MB`, 2 GiB by default),
+opening a cache removes whole fingerprints, least recently used first (a load or save marks its
+file used), never its own.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from jax.experimental import serialize_executable
 log = logging.getLogger(__name__)
 
 _DIGEST = 32  # bytes of SHA-256
+_SUFFIX = ".bin"
+
+
+def default_max_bytes() -> int:
+    return int(os.environ.get("JAXSERVE_COMPILE_CACHE_MB", "2048")) << 20
 
 
 @functools.cache
@@ -42,7 +52,7 @@ def source_digest() -> str:
 class ExecutableCache:
     """`load(name)` / `save(name, compiled)` of compiled steps for one program fingerprint."""
 
-    def __init__(self, folder: str, describe: str, devices):
+    def __init__(self, folder: str, describe: str, devices, max_bytes: int | None = None):
         """`devices`: the devices the programs run on, in their order (a mesh's, flattened): a
         program is loaded onto exactly those (XLA aborts on a device count that differs)."""
         self.folder = folder
@@ -51,9 +61,10 @@ class ExecutableCache:
         self.fingerprint = hashlib.sha256(f"{describe}\n{devices}\n{source_digest()}".encode()).hexdigest()[:24]
         self.loaded = 0  # entries loaded ...
         self.rejected = 0  # ... and found corrupt or unloadable
+        self.pruned = prune(folder, max_bytes if max_bytes is not None else default_max_bytes(), self.fingerprint)
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.folder, f"{self.fingerprint}-{name}.bin")
+        return os.path.join(self.folder, f"{self.fingerprint}-{name}{_SUFFIX}")
 
     def load(self, name: str):
         """The compiled step saved under `name`, or None (absent, corrupt or not loadable here)."""
@@ -78,6 +89,7 @@ class ExecutableCache:
                 pass
             return None
         self.loaded += 1
+        _mark_used(path)
         return compiled
 
     def save(self, name: str, compiled) -> None:
@@ -91,3 +103,45 @@ class ExecutableCache:
             os.replace(tmp, self._path(name))
         except Exception as e:  # noqa: BLE001
             log.warning("could not save compiled step %s (%s: %s)", name, type(e).__name__, e)
+
+
+def _mark_used(path: str) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def prune(folder: str, max_bytes: int, keep: str) -> list[str]:
+    """Removes the least recently used fingerprints' entries (a fingerprint's last use is its
+    newest file's mtime) until the folder's entries fit in `max_bytes`; `keep`'s stay whatever
+    their size. Returns the fingerprints removed."""
+    groups: dict[str, list[tuple[str, os.stat_result]]] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(_SUFFIX) or "-" not in name:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            groups.setdefault(name.split("-", 1)[0], []).append((path, os.stat(path)))
+        except OSError:
+            continue
+    total = sum(st.st_size for files in groups.values() for _, st in files)
+    removed = []
+    for fingerprint in sorted((f for f in groups if f != keep), key=lambda f: max(st.st_mtime for _, st in groups[f])):
+        if total <= max_bytes:
+            break
+        for path, st in groups[fingerprint]:
+            try:
+                os.remove(path)
+                total -= st.st_size
+            except OSError:
+                pass
+        removed.append(fingerprint)
+    if removed:
+        log.info("compile cache over %d MiB: removed the programs of %d older configuration(s)", max_bytes >> 20,
+                 len(removed))
+    return removed

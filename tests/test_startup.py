@@ -1,9 +1,12 @@
 """Start-up: after `warmup()` nothing compiles, whatever the request kind or strategy; a second
 engine loads every compiled program from the compile cache; a changed config never reuses a
-program; a corrupt cache entry is recompiled; the layer scan matches its unrolled form."""
+program; a corrupt cache entry is recompiled; a cache over its size loses its least recently used
+configurations; the layer scan matches its unrolled form."""
 
+import copy
 import logging
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.batching.policies import STRATEGIES
+from jaxserve.executable_cache import ExecutableCache
 from jaxserve.model.loader import load_model
 
 CONFIG = EngineConfig(max_slots=8, page_size=8, num_pages=96, max_model_len=64, max_num_batched_tokens=32,
@@ -96,6 +100,38 @@ def test_a_corrupt_or_truncated_entry_is_logged_and_recompiled(warm, llama_dir, 
     assert [o.token_ids for o in engine.generate(prompts(), MIXED)] == \
         [o.token_ids for o in warm.generate(prompts(), MIXED)]
     assert os.path.getsize(os.path.join(cache_dir, "compiled", forward)) > 0  # saved again, whole
+
+
+def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_never_its_own(warm, cache_dir, tmp_path):
+    """Four configurations of 3 programs x 100 bytes, last used at t=10, 40, 20, 30; a cap of 700
+    bytes leaves the newest two (600 bytes) and the opener's own."""
+    folder = str(tmp_path)
+    for fingerprint, used in [("aaa", 10), ("bbb", 40), ("ccc", 20), ("ddd", 30)]:
+        for program in ("forward-2", "sample-2", "logprobs-2"):
+            path = os.path.join(folder, f"{fingerprint}-{program}.bin")
+            with open(path, "wb") as f:
+                f.write(b"x" * 100)
+            os.utime(path, (used, used))
+    with open(os.path.join(folder, "notes.txt"), "w") as f:  # not an entry: never counted or removed
+        f.write("y" * 1000)
+    cache = ExecutableCache(folder, "a fifth configuration", jax.devices()[:1], max_bytes=700)
+    assert cache.pruned == ["aaa", "ccc"]
+    assert sorted({name.split("-")[0] for name in os.listdir(folder)}) == ["bbb", "ddd", "notes.txt"]
+    own = ExecutableCache(folder, "a fifth configuration", jax.devices()[:1], max_bytes=0)
+    assert own.pruned == ["ddd", "bbb"]  # everything but its own, whatever the cap
+
+    # A load marks its entry used: the older configuration, just loaded from, outlives a newer one.
+    folder = str(tmp_path / "used")
+    os.makedirs(folder)
+    real = os.path.join(cache_dir, "compiled", f"{warm.runner.cache.fingerprint}-sample-2.bin")
+    for name, used in [(os.path.basename(real), 10), ("zzz-sample-2.bin", 20)]:
+        shutil.copyfile(real, os.path.join(folder, name))
+        os.utime(os.path.join(folder, name), (used, used))
+    reader = copy.copy(warm.runner.cache)
+    reader.folder = folder
+    assert reader.load("sample-2") is not None
+    cache = ExecutableCache(folder, "a third configuration", jax.devices()[:1], max_bytes=os.path.getsize(real))
+    assert cache.pruned == ["zzz"] and os.listdir(folder) == [os.path.basename(real)]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
