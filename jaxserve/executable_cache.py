@@ -17,6 +17,7 @@ file used), never its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -89,7 +90,8 @@ class ExecutableCache:
                 pass
             return None
         self.loaded += 1
-        _mark_used(path)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: pruning goes by last use
         return compiled
 
     def save(self, name: str, compiled) -> None:
@@ -105,13 +107,6 @@ class ExecutableCache:
             log.warning("could not save compiled step %s (%s: %s)", name, type(e).__name__, e)
 
 
-def _mark_used(path: str) -> None:
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
 def prune(folder: str, max_bytes: int, keep: str) -> list[str]:
     """Removes the least recently used fingerprints' entries (a fingerprint's last use is its
     newest file's mtime) until the folder's entries fit in `max_bytes`; `keep`'s stay whatever
@@ -125,21 +120,17 @@ def prune(folder: str, max_bytes: int, keep: str) -> list[str]:
         if not name.endswith(_SUFFIX) or "-" not in name:
             continue
         path = os.path.join(folder, name)
-        try:
+        with contextlib.suppress(OSError):
             groups.setdefault(name.split("-", 1)[0], []).append((path, os.stat(path)))
-        except OSError:
-            continue
     total = sum(st.st_size for files in groups.values() for _, st in files)
     removed = []
     for fingerprint in sorted((f for f in groups if f != keep), key=lambda f: max(st.st_mtime for _, st in groups[f])):
         if total <= max_bytes:
             break
         for path, st in groups[fingerprint]:
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(path)
-                total -= st.st_size
-            except OSError:
-                pass
+            total -= st.st_size  # gone, or going: another process removed it first
         removed.append(fingerprint)
     if removed:
         log.info("compile cache over %d MiB: removed the programs of %d older configuration(s)", max_bytes >> 20,

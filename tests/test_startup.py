@@ -103,10 +103,13 @@ def test_a_corrupt_or_truncated_entry_is_logged_and_recompiled(warm, llama_dir, 
 
 
 def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_never_its_own(warm, cache_dir, tmp_path):
-    """Four configurations of 3 programs x 100 bytes, last used at t=10, 40, 20, 30; a cap of 700
-    bytes leaves the newest two (600 bytes) and the opener's own."""
+    """Five configurations of 3 programs x 100 bytes: the opener's own, last used at t=5, and four
+    others at t=10, 40, 20, 30. A cap of 1000 bytes removes the two oldest others; a cap of 0 every
+    other one; the opener's own stays both times."""
     folder = str(tmp_path)
-    for fingerprint, used in [("aaa", 10), ("bbb", 40), ("ccc", 20), ("ddd", 30)]:
+    devices = jax.devices()[:1]
+    own = ExecutableCache(folder, "a fifth configuration", devices).fingerprint
+    for fingerprint, used in [(own, 5), ("aaa", 10), ("bbb", 40), ("ccc", 20), ("ddd", 30)]:
         for program in ("forward-2", "sample-2", "logprobs-2"):
             path = os.path.join(folder, f"{fingerprint}-{program}.bin")
             with open(path, "wb") as f:
@@ -114,11 +117,11 @@ def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_neve
             os.utime(path, (used, used))
     with open(os.path.join(folder, "notes.txt"), "w") as f:  # not an entry: never counted or removed
         f.write("y" * 1000)
-    cache = ExecutableCache(folder, "a fifth configuration", jax.devices()[:1], max_bytes=700)
-    assert cache.pruned == ["aaa", "ccc"]
-    assert sorted({name.split("-")[0] for name in os.listdir(folder)}) == ["bbb", "ddd", "notes.txt"]
-    own = ExecutableCache(folder, "a fifth configuration", jax.devices()[:1], max_bytes=0)
-    assert own.pruned == ["ddd", "bbb"]  # everything but its own, whatever the cap
+    cache = ExecutableCache(folder, "a fifth configuration", devices, max_bytes=1000)
+    assert cache.fingerprint == own and cache.pruned == ["aaa", "ccc"]
+    assert sorted({name.split("-")[0] for name in os.listdir(folder)}) == sorted([own, "bbb", "ddd", "notes.txt"])
+    assert ExecutableCache(folder, "a fifth configuration", devices, max_bytes=0).pruned == ["ddd", "bbb"]
+    assert sorted({name.split("-")[0] for name in os.listdir(folder)}) == sorted([own, "notes.txt"])
 
     # A load marks its entry used: the older configuration, just loaded from, outlives a newer one.
     folder = str(tmp_path / "used")
