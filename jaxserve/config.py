@@ -16,7 +16,8 @@ class EngineConfig:
 
     The KV pool holds `num_pages` pages if given, else as many as fit in `kv_cache_bytes`; left
     unset, that is 1 GiB on a CPU and, on an accelerator, `gpu_memory_utilization` of the device's
-    memory less what the weights took (as vLLM's `--gpu-memory-utilization`).
+    memory less what the weights took (as vLLM's `--gpu-memory-utilization`). The budget holds per
+    memory: each accelerator's share of the pool, or, on a CPU, the shards of all its devices.
     `max_model_len=None` takes the model's context if the KV pool holds one sequence of it, else the
     longest sequence it holds; an explicit `max_model_len` the pool cannot hold is a ValueError.
     """

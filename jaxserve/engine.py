@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import time
+from fractions import Fraction
 from typing import Iterator, Sequence
 
 import jax
@@ -52,7 +53,7 @@ from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
 from jaxserve.step_batch import ScheduledSeq, build_step
 from jaxserve.structured_output import GrammarMatchers
-from jaxserve.sharding import canonical_sharding_for, make_mesh
+from jaxserve.sharding import canonical_sharding_for, kv_heads_per_memory, make_mesh
 from jaxserve.tokenizer import DECODE_CONTEXT, Tokenizer, decode_after
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,12 @@ class Engine:
         model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
         kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
                             else auto_kv_cache_bytes(config.gpu_memory_utilization))
-        num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype)
+        mesh = make_mesh(config.mesh) if config.mesh else None
+        heads = kv_heads_per_memory(mesh, model_config) if mesh else model_config.num_kv_heads
+        if heads != model_config.num_kv_heads:
+            reason += f", {Fraction(heads, model_config.num_kv_heads)}x the pool's bytes in each memory"
+        num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype,
+                                                        heads)
         if num_pages < 2:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
         max_model_len, why = _resolve_max_model_len(config, model_config, num_pages)
@@ -116,7 +122,7 @@ class Engine:
             max_model_len=max_model_len, attention_backend=self.backend,
             max_num_batched_tokens=config.step_token_budget(max_model_len), num_logprobs=MAX_LOGPROBS,
             kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled")),
-            mesh=make_mesh(config.mesh) if config.mesh else None)
+            mesh=mesh)
         return runner, reason, why
 
     def _reset_scheduler(self) -> None:

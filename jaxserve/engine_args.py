@@ -51,8 +51,8 @@ _OPTIONS = (
     _Option("--page-size", "page_size", "tokens per KV page", aliases=("--block-size",)),
     _Option("--num-pages", "num_pages", "KV pages in the pool (overrides --kv-cache-mb)",
             aliases=("--num-gpu-blocks-override",)),
-    _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB (default: 1024 on a CPU; on an accelerator, "
-            "what --gpu-memory-utilization leaves after the weights)", _mib),
+    _Option("--kv-cache-mb", "kv_cache_bytes", "KV pool budget in MiB per memory (default: 1024 on a CPU; on an "
+            "accelerator, what --gpu-memory-utilization leaves after the weights)", _mib),
     _Option("--gpu-memory-utilization", "gpu_memory_utilization",
             "accelerators: the share of device memory that weights and KV cache may take", float),
     _Option("--max-model-len", "max_model_len", "context length (default: the model's, or the longest the KV pool holds)"),

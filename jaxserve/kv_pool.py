@@ -18,15 +18,17 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes one page takes across its P layers, K and V."""
+def page_bytes(cfg: ModelConfig, page_size: int, dtype, kv_heads: int | None = None) -> int:
+    """Bytes one page takes across its P layers, K and V, for `kv_heads` heads (all of them by default)."""
     layers = kv_groups(cfg).layers_per_page
-    return 2 * layers * cfg.num_kv_heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
+    heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    return 2 * layers * heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
 
 
-def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype) -> int:
-    """How many pages (the null page included) fit in a byte budget."""
-    return kv_cache_bytes // page_bytes(cfg, page_size, dtype)
+def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype, kv_heads: int | None = None) -> int:
+    """How many pages (the null page included) fit in a byte budget that holds `kv_heads` heads of
+    each page (all of them by default; see `jaxserve.sharding.kv_heads_per_memory`)."""
+    return kv_cache_bytes // page_bytes(cfg, page_size, dtype, kv_heads)
 
 
 def storage_dtype(dtype, as_bits: bool):

@@ -141,9 +141,16 @@ def hf_llama(tmp_path_factory):
 
 
 def test_checkpoint_from_disk_with_the_default_config_under_every_mesh(checks, hf_llama):
+    """The same greedy tokens, and the default 1 GiB KV budget is the pool's bytes in this
+    process's memory under every mesh (a replicated pool gets fewer pages), within one page."""
     from jaxserve import Engine, EngineConfig
+    from jaxserve.machine import CPU_KV_CACHE_BYTES
     expected = generate(Engine.from_pretrained(hf_llama, EngineConfig(dtype="float32")))
-    assert run_check(checks, "from_disk", hf_llama, *MESHES) == {shape: expected for shape in MESHES}
+    got = run_check(checks, "from_disk", hf_llama, *MESHES)
+    assert {shape: got[shape]["tokens"] for shape in MESHES} == {shape: expected for shape in MESHES}
+    for shape in MESHES:
+        pool_bytes, page_bytes = got[shape]["pool_bytes"], got[shape]["page_bytes"]
+        assert CPU_KV_CACHE_BYTES - page_bytes < pool_bytes <= CPU_KV_CACHE_BYTES, (shape, got[shape])
 
 
 def test_orbax_save_then_restore_under_another_mesh(checks, reference_tokens):
@@ -165,17 +172,20 @@ def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", 
 
 
 def check_from_disk(path: str, *shapes: str) -> dict:
-    """Greedy tokens of `Engine.from_pretrained(path)` with the default config under each mesh,
-    one engine at a time (each holds the default 1 GiB KV pool, whole on every device that
-    replicates it)."""
+    """Greedy tokens of `Engine.from_pretrained(path)` with the default config under each mesh, and
+    the bytes its KV pool's shards take in this process (all of them, and one page's), one engine
+    at a time."""
     import gc
     from jaxserve import Engine, EngineConfig
 
-    def tokens(shape):
-        return generate(Engine.from_pretrained(path, EngineConfig(dtype="float32", mesh=mesh_dict(shape))))
+    def run(shape):
+        engine = Engine.from_pretrained(path, EngineConfig(dtype="float32", mesh=mesh_dict(shape)))
+        pool_bytes = sum(s.data.nbytes for a in engine.runner.kv_pool for s in a.addressable_shards)
+        return {"tokens": generate(engine), "pool_bytes": pool_bytes,
+                "page_bytes": pool_bytes // engine.runner.config.num_pages}
     out = {}
     for shape in shapes:
-        out[shape] = tokens(shape)
+        out[shape] = run(shape)
         gc.collect()  # the last engine's pool goes before the next one's is allocated
     return out
 
