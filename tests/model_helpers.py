@@ -17,12 +17,12 @@ from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
 PAGE = 8
 
 
-def run_chunk(model, pool, table, start, tokens, backend="reference"):
-    """One step of one sequence: `tokens` at positions start.. through the pool. Returns
-    (logits [len(tokens), V], pool)."""
+def run_chunk(model, pool, table, start, tokens, bucket, backend="reference"):
+    """One step of one sequence: `tokens` at positions start.. through the pool, padded to `bucket`
+    tokens (one shape, so one compile, for every step of a sequence). Returns (logits [len(tokens), V], pool)."""
     greedy = SamplingBatch(*(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
     batch = build_step([ScheduledSeq(0, start, list(tokens))], table, greedy, PAGE,
-                       StepBuckets(max_tokens=len(tokens), max_seqs=1))
+                       StepBuckets(max_tokens=bucket, max_seqs=1, min_rows=bucket))
     graphdef, state = nnx.split(model)
     logits, pool = _forward(graphdef, backend, state, batch.tokens, pool, batch.meta)
     return np.asarray(logits[: len(tokens)]), pool
@@ -43,8 +43,8 @@ def paged_logits(model: Transformer, tokens: np.ndarray, prompt_len: int, chunk:
     table = table.reshape(1, groups, pages_needed).astype(np.int32)
     steps = [(s, min(s + (chunk or prompt_len), prompt_len)) for s in range(0, prompt_len, chunk or prompt_len)]
     steps += [(t, t + 1) for t in range(prompt_len, len(tokens))]
-    rows = []
+    rows, bucket = [], max(stop - start for start, stop in steps)
     for start, stop in steps:
-        logits, pool = run_chunk(model, pool, table, start, tokens[start:stop])
+        logits, pool = run_chunk(model, pool, table, start, tokens[start:stop], bucket)
         rows.append(logits)
     return np.concatenate(rows)
