@@ -82,7 +82,10 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
     print("\n| pool | batch | context | K/V bytes | ms | GB/s | at bandwidth ms | x of reading once |")
     print("|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    page, pages_per_seq, width = 16, -(-args.context // 16), 128
+    context = (f"{args.context}" + (f"±{args.spread}" if args.spread else "")
+               + (f", window {args.window}" if args.window else ""))
+    page, pages_per_seq = 16, -(-(args.context + args.spread) // 16)
+    width = max(128, pages_per_seq)
     num_pages = 1 + max(batches) * pages_per_seq + 64
     for dtype in ("float32", "bfloat16"):
         k, v = (jnp.asarray(rng.standard_normal((1, num_pages, page, 256)), jnp.dtype(dtype)) for _ in range(2))
@@ -93,12 +96,15 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
             tables = np.zeros((b, width), np.int32)
             tables[:, :pages_per_seq] = 1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq)
             q = jnp.asarray(rng.standard_normal((b, 4, 256)), jnp.float32)
-            lens, starts = jnp.full((b,), args.context, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32)
-            call = lambda: attend(q, k, v, lens, jnp.asarray(tables), starts, jnp.array([b], jnp.int32))  # noqa: E731
+            lens = np.linspace(args.context - args.spread, args.context + args.spread, b).astype(np.int32)
+            starts = jnp.arange(b + 1, dtype=jnp.int32)
+            call = lambda: attend(q, k, v, jnp.asarray(lens), jnp.asarray(tables), starts,  # noqa: E731
+                                  jnp.array([b], jnp.int32), sliding_window=args.window)
             seconds = timed(lambda: call().block_until_ready(), args.reps)
-            nbytes = 2 * b * args.context * 256 * jnp.dtype(dtype).itemsize
+            nbytes = 2 * int(np.minimum(lens, args.window or args.context + args.spread).sum()) * 256 * \
+                jnp.dtype(dtype).itemsize  # what the layer must read: each sequence's window
             ideal = nbytes / bandwidth
-            print(f"| {dtype} | {b} | {args.context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
+            print(f"| {dtype} | {b} | {context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
                   f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
 
 
@@ -225,6 +231,9 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-sweep", default=None, help="comma-separated token budgets: time mixed steps instead")
     p.add_argument("--attention", action="store_true", help="time one layer's decode attention instead")
+    p.add_argument("--spread", type=int, default=0,
+                   help="--attention: sequences hold context-spread to context+spread tokens, evenly")
+    p.add_argument("--window", type=int, default=None, help="--attention: a sliding-window layer's window")
     p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
     args = p.parse_args(argv)
     keep_freed_memory()  # the engine's heap, before jax starts: no buffer re-faulted on each call

@@ -21,7 +21,8 @@ that no real sequence owns (token padding) come back as zeros, and so does a row
 
 How the jnp version runs (XLA on CPU): never gathers a sequence's whole history at once. Decode
 rows (one query row) are batched across sequences and a loop walks their pages a block at a time,
-gathering just that block for every sequence, with an online softmax in float32. Prompt chunks
+each sequence from the first block its window reaches, gathering just that block for every
+sequence, with an online softmax in float32. Prompt chunks
 (more than one row) loop over sequences, then over blocks of `block_q` rows, then over the key
 blocks those rows can see (causal and window bounds), so cost follows the real lengths and the
 block-table width costs nothing.
@@ -186,20 +187,23 @@ def _decode_rows(q, k_pages, v_pages, lengths, tables, *, scale, window, soft_ca
     kv_heads, _, _, page_size, _ = k_pages.shape
     keys = pages_per_block * page_size  # L
     qg = q.reshape(seqs, kv_heads, heads // kv_heads, head_dim).swapaxes(0, 1).astype(jnp.float32)  # [N, S, G, D]
-    hi = (lengths.max() + keys - 1) // keys
-    lo = jnp.where(lengths > 0, jnp.maximum(lengths - window, 0), 1 << 30).min() // keys
+    # Each sequence walks its own blocks from the first one its window reaches: sequences of
+    # different lengths under a sliding window then cost a window each, not the span of them all.
+    first = jnp.maximum(lengths - window, 0) // keys  # [S]
+    blocks = ((lengths + keys - 1) // keys - first).max()
 
     def block(i, carry):
-        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)  # [S, B]
+        column = (first + i)[:, None] * pages_per_block + jnp.arange(pages_per_block)  # [S, B]
+        pages = jnp.take_along_axis(tables, jnp.minimum(column, tables.shape[1] - 1), axis=1)  # past the end: masked
         k, v = _gather(k_pages, v_pages, layer, pages)
         k = k.reshape(kv_heads, seqs, keys, head_dim)  # [N, S, L, D]
         v = v.reshape(kv_heads, seqs, keys, head_dim)
-        pos = i * keys + jnp.arange(keys)  # [L]
-        visible = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lengths[:, None] - window)  # [S, L]
+        pos = (first + i)[:, None] * keys + jnp.arange(keys)  # [S, L]
+        visible = (pos < lengths[:, None]) & (pos >= lengths[:, None] - window)
         return _online_softmax(carry, _scores(qg, k, scale, soft_cap), visible[None, :, None, :], v)
 
     init = (jnp.zeros(qg.shape, jnp.float32), jnp.full(qg.shape[:-1], NEG), jnp.zeros(qg.shape[:-1]))
-    acc, _, l = lax.fori_loop(lo, hi, block, init)
+    acc, _, l = lax.fori_loop(0, blocks, block, init)
     return _finish(acc, l).swapaxes(0, 1).reshape(seqs, heads, head_dim)
 
 
