@@ -109,8 +109,10 @@ class Engine:
                             else auto_kv_cache_bytes(config.gpu_memory_utilization))
         mesh = make_mesh(config.mesh) if config.mesh else None
         heads = kv_heads_per_memory(mesh, model_config) if mesh else model_config.num_kv_heads
-        if heads != model_config.num_kv_heads:
-            reason += f", {Fraction(heads, model_config.num_kv_heads)}x the pool's bytes in each memory"
+        share = Fraction(heads, model_config.num_kv_heads)  # of the pool's bytes, in the fullest memory
+        if share != 1:
+            reason += (f", held {share} times over in the host memory its devices share" if share > 1
+                       else f", each device holding {share} of the pool")
         num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype,
                                                         heads)
         if num_pages < 2:
