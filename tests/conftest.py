@@ -17,8 +17,8 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitt
                   "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 # pytest-xdist runs a worker per core already: OpenMP thread pools on top (torch's, for the Hugging
-# Face references, and OpenBLAS's) only spin against the other worker. One thread each: the engine
-# and model files ran in 48-50 s instead of 58-59 s (docs/testing.md).
+# Face references, and OpenBLAS's) only spin against the other worker: one thread each (measured in
+# docs/testing.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # glibc's malloc asks for transparent huge pages, for the xdist workers and every process a test
 # starts (servers, engines, the sharding checks): the suite's many fresh pools and weights are then

@@ -22,10 +22,9 @@ that no real sequence owns (token padding) come back as zeros, and so does a row
 How the jnp version runs (XLA on CPU): never gathers a sequence's whole history at once. Decode
 rows (one query row) are batched across sequences and a loop walks their pages a block at a time,
 each sequence from the first block its window reaches, gathering just that block for every
-sequence, with an online softmax in float32. Prompt chunks
-(more than one row) loop over sequences, then over blocks of `block_q` rows, then over the key
-blocks those rows can see (causal and window bounds), so cost follows the real lengths and the
-block-table width costs nothing.
+sequence, with an online softmax in float32. Prompt chunks (more than one row) loop over
+sequences, then over blocks of `block_q` rows, then over the key blocks those rows can see (causal
+and window bounds), so cost follows the real lengths and the block-table width costs nothing.
 `sliding_window` is a Python int, None, or an int32 scalar array (`NO_WINDOW`: none), so one
 traced layer serves local and global layers alike.
 Legend: Λ layers, T tokens, H query heads, N kv heads, G = H / N, D head dim, M pool pages, P page size,
