@@ -230,9 +230,9 @@ def kv_heads_per_memory(mesh: Mesh, cfg: ModelConfig) -> int:
     """Kv heads of every page that the fullest memory holds, so that a KV byte budget holds per
     memory: an accelerator holds its own shard, while a CPU process's devices share one memory,
     where their shards add up (a pool replicated over 8 simulated devices is 8 pools' bytes)."""
-    split = spec(mesh, KV_POOL_AXES, units_of(cfg))[0] is not None
-    heads = cfg.num_kv_heads // axis_size(mesh, "kv_heads") if split else cfg.num_kv_heads
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    pool = NamedSharding(mesh, spec(mesh, KV_POOL_AXES, units_of(cfg)))  # kv_pool_sharding's, unlogged
+    heads = pool.shard_shape((cfg.num_kv_heads,) + (1,) * (len(KV_POOL_AXES) - 1))[0]
+    local = mesh.local_devices
     return heads * (len(local) if local[0].platform == "cpu" else 1)
 
 

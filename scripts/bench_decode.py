@@ -4,6 +4,7 @@
     python scripts/bench_decode.py --batches 1,2,4,16,64 --context 256 --dtypes float32,bfloat16
     python scripts/bench_decode.py --budget-sweep 64,128,256,512,1024   # what max_num_batched_tokens buys
     python scripts/bench_decode.py --attention --batches 1,16,64 --context 256  # attention vs bandwidth
+    python scripts/bench_decode.py --attention --batches 16 --context 4096 --spread 2048 --window 512
     python scripts/bench_decode.py --sampling                # sampling on 16 rows of the model's logits
 
 For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
@@ -101,8 +102,8 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
             call = lambda: attend(q, k, v, jnp.asarray(lens), jnp.asarray(tables), starts,  # noqa: E731
                                   jnp.array([b], jnp.int32), sliding_window=args.window)
             seconds = timed(lambda: call().block_until_ready(), args.reps)
-            nbytes = 2 * int(np.minimum(lens, args.window or args.context + args.spread).sum()) * 256 * \
-                jnp.dtype(dtype).itemsize  # what the layer must read: each sequence's window
+            held = np.minimum(lens, args.window) if args.window else lens  # what the layer must read
+            nbytes = 2 * int(held.sum()) * 256 * jnp.dtype(dtype).itemsize
             ideal = nbytes / bandwidth
             print(f"| {dtype} | {b} | {context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
                   f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
@@ -236,6 +237,8 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=None, help="--attention: a sliding-window layer's window")
     p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
     args = p.parse_args(argv)
+    if not 0 <= args.spread < args.context:
+        p.error(f"--spread must be in [0, --context), got {args.spread}")
     keep_freed_memory()  # the engine's heap, before jax starts: no buffer re-faulted on each call
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
