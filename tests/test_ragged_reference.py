@@ -13,8 +13,9 @@ from ragged_cases import CASES, make_case, oracle
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
-def check(args, dtype, **options):
-    out = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **options))(*args)
+def check(args, dtype, blocks=None, **options):
+    """`blocks`: the reference's block sizes (the oracle has none)."""
+    out = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **options, **(blocks or {})))(*args)
     assert out.dtype == jnp.dtype(dtype)
     expected = oracle(*args, **options)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=TOL[dtype], rtol=TOL[dtype])
@@ -61,6 +62,23 @@ def test_small_blocks_give_the_same_result():
     big = ragged_paged_attention_reference(*args)
     small = ragged_paged_attention_reference(*args, keys_per_block=8, rows_per_block=4)
     np.testing.assert_allclose(np.asarray(big), np.asarray(small), atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5, 13])
+def test_chunks_split_into_wide_and_short_row_blocks(window):
+    # Wide blocks of 16 rows while at least 8 are left, then blocks of 4: 70 rows are 4 wide blocks
+    # and 2 short ones, 20 are 1 and 1, 12 and 9 are one part-empty wide block, 5 are short only.
+    seqs = [(30, 70), (3, 20), (16, 12), (0, 9), (7, 5), (40, 1)]
+    args = make_case(np.random.default_rng(11), seqs)
+    check(args, jnp.float32, dict(keys_per_block=8, rows_per_block=4, wide_block=(16, 16)), sliding_window=window)
+
+
+def test_default_wide_blocks_on_a_long_chunk():
+    # A 300-row chunk behind 200 cached tokens: one wide block of 256 rows, then 44 rows in short ones.
+    args = make_case(np.random.default_rng(12), [(200, 300), (9, 1)], kv_heads=1, group=2, head_dim=16,
+                     page_size=16)
+    check(args, jnp.float32)
+    check(args, jnp.float32, sliding_window=64)
 
 
 def test_bad_inputs_raise_value_error():
