@@ -66,11 +66,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
-    """Rotate-half RoPE. x: [T, heads, K]; positions: [T]; inv_freq: [K/2] float32."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [T, K/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
+def rope_tables(positions: jax.Array, inv_freqs) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [F, T, 1, K/2] float32 of the step's positions [T] for each of F frequency sets
+    [F, K/2]. Computed once per step, outside the layers: inside, XLA recomputed them in every
+    head's and every half's fusion (on XLA:CPU, cos and sin over every head, twice per layer)."""
+    angles = positions.astype(jnp.float32)[None, :, None, None] * jnp.asarray(inv_freqs, jnp.float32)[:, None, None]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [T, heads, K]; cos, sin: [T, 1, K/2] float32 (`rope_tables`)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -84,16 +89,28 @@ class LayerConstants:
     index: jax.Array  # int32: the layer's slot in a page of the KV pool
     group: jax.Array  # int32: its KV-cache group (whose block tables it reads)
     window: jax.Array  # int32: its sliding window, NO_WINDOW for a global layer
-    inv_freq: jax.Array  # [K/2] float32: its RoPE frequencies (local and global layers differ)
+    rope: jax.Array  # int32: its set of RoPE frequencies in `rope_frequencies` (local and global layers differ)
 
     @classmethod
     def stacked(cls, cfg: ModelConfig) -> "LayerConstants":
-        freqs = [rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling if window is None else None)
-                 for theta, window in zip(cfg.layer_rope_thetas, cfg.layer_windows)]
+        sets = _layer_rope_sets(cfg)
         groups = kv_groups(cfg)
         return cls(index=np.array(groups.layer_slot, np.int32), group=np.array(groups.layer_group, np.int32),
                    window=np.array([NO_WINDOW if w is None else w for w in cfg.layer_windows], np.int32),
-                   inv_freq=np.stack(freqs).astype(np.float32))
+                   rope=np.array([sorted(set(sets)).index(key) for key in sets], np.int32))
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The model's distinct sets of RoPE inverse frequencies [F, K/2] float32, indexed by
+    `LayerConstants.rope`."""
+    return np.stack([rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling if scaled else None)
+                     for theta, scaled in sorted(set(_layer_rope_sets(cfg)))]).astype(np.float32)
+
+
+def _layer_rope_sets(cfg: ModelConfig) -> list[tuple[float, bool]]:
+    """Each layer's (RoPE base, whether rope_scaling applies): sliding-window layers are unscaled."""
+    return [(theta, window is None and cfg.rope_scaling is not None)
+            for theta, window in zip(cfg.layer_rope_thetas, cfg.layer_windows)]
 
 
 class MLP(nnx.Module):
@@ -130,8 +147,8 @@ class Attention(nnx.Module):
         self.scale = cfg.scale
         self.soft_cap = cfg.attn_logit_softcap
 
-    def __call__(self, x, kv, layer: LayerConstants, meta: StepMetadata, attend: Attend):
-        """x: [T, D]; kv: (k [N, P, M, S, K], v). Returns ([T, D], kv)."""
+    def __call__(self, x, kv, layer: LayerConstants, meta: StepMetadata, attend: Attend, rope):
+        """x: [T, D]; kv: (k [N, P, M, S, K], v); rope: the step's `rope_tables`. Returns ([T, D], kv)."""
         t = x.shape[0]
         h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = dense(x, self.qkv[...])
@@ -142,8 +159,8 @@ class Attention(nnx.Module):
         key, value = qkv[..., -2, :], qkv[..., -1, :]  # [T, N, K]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
-        q = apply_rope(q, meta.positions, layer.inv_freq)
-        key = apply_rope(key, meta.positions, layer.inv_freq)
+        cos, sin = (jax.lax.dynamic_index_in_dim(table, layer.rope, keepdims=False) for table in rope)
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         meta = for_group(meta, layer.group)
         k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping, layer.index)
         out = attend(q, k_pool, v_pool, layer.index, meta, sm_scale=self.scale, sliding_window=layer.window,

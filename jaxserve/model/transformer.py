@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import MLP, Attention, LayerConstants, RMSNorm, dense, dense_transposed
+from jaxserve.model.layers import (MLP, Attention, LayerConstants, RMSNorm, dense, dense_transposed,
+                                  rope_frequencies, rope_tables)
 from jaxserve.model.paged_attention import Attend, StepMetadata
 from jaxserve.model.weights import check_weights
 
@@ -44,8 +45,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(w["post_attn_norm"], eps) if "post_attn_norm" in w else None
         self.post_mlp_norm = RMSNorm(w["post_mlp_norm"], eps) if "post_mlp_norm" in w else None
 
-    def __call__(self, x, kv, layer: LayerConstants, meta: StepMetadata, attend: Attend):
-        h, kv = self.attn(self.attn_norm(x), kv, layer, meta, attend)
+    def __call__(self, x, kv, layer: LayerConstants, meta: StepMetadata, attend: Attend, rope):
+        h, kv = self.attn(self.attn_norm(x), kv, layer, meta, attend, rope)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -88,12 +89,13 @@ class Transformer(nnx.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         graphdef, stacked = nnx.split(self.layers)
+        rope = rope_tables(meta.positions, rope_frequencies(self.cfg))
 
         def layer_step(carry, xs):
             x, pool = carry
             params, constants = xs
             params = jax.tree.map(_from_bits, params)
-            return nnx.merge(graphdef, params)(x, pool, constants, meta, attend), None
+            return nnx.merge(graphdef, params)(x, pool, constants, meta, attend, rope), None
         xs = (stacked, LayerConstants.stacked(self.cfg))
         (x, new_pool), _ = jax.lax.scan(layer_step, (x, tuple(kv_pool)), xs)
         return (x if rows is None else x[rows]), new_pool
