@@ -224,8 +224,8 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk
     tokens, heads, head_dim = q.shape
     kv_heads, _, _, page_size, _ = k_pages.shape
     group = heads // kv_heads
-    (rows, _), (wide_rows, _) = blocks
-    q = jnp.pad(q, ((0, max(rows, wide_rows)), (0, 0), (0, 0)))
+    (short_rows, _), (wide_rows, _) = blocks
+    q = jnp.pad(q, ((0, max(short_rows, wide_rows)), (0, 0), (0, 0)))
     chunk_seqs = jnp.nonzero(is_chunk, size=is_chunk.shape[0], fill_value=0)[0]
 
     def sequence(j, out):
@@ -266,7 +266,7 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk
         wide = q_len // wide_rows + (q_len % wide_rows >= wide_rows // 2)  # wide blocks
         done = jnp.minimum(wide * wide_rows, q_len)  # rows they cover
         out = lax.fori_loop(0, wide, lambda b, out: row_block(*blocks[1], b * wide_rows, out), out)
-        return lax.fori_loop(0, (q_len - done + rows - 1) // rows,
-                             lambda b, out: row_block(*blocks[0], done + b * rows, out), out)
+        return lax.fori_loop(0, (q_len - done + short_rows - 1) // short_rows,
+                             lambda b, out: row_block(*blocks[0], done + b * short_rows, out), out)
 
     return lax.fori_loop(0, is_chunk.sum(), sequence, out)
