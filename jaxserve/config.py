@@ -81,8 +81,9 @@ class EngineConfig:
 
     @property
     def weights_dtype(self) -> str:
-        """The dtype the weights are kept in: "auto" is bfloat16 on accelerators and on CPUs with
-        bfloat16 dot instructions, float32 elsewhere (`jaxserve.machine`); float32 gives exact
+        """The dtype the weights are loaded in: "auto" is bfloat16 on accelerators and on CPUs with
+        bfloat16 dot instructions, float32 elsewhere (`jaxserve.machine`), and on a CPU a bucket's
+        programs may run on a copy in the other dtype (`jaxserve.dtype_plan`); float32 gives exact
         parity with Hugging Face."""
         if self.dtype == "auto":
             from jaxserve.machine import auto_weights_dtype

@@ -40,6 +40,7 @@ from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutpu
 from jaxserve.batching.kv_cache_manager import pages_per_sequence
 from jaxserve.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
+from jaxserve.dtype_plan import DtypePlan, plan_for
 from jaxserve.errors import QueueFullError
 from jaxserve.kv_pool import pages_in_budget
 from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
@@ -51,7 +52,7 @@ from jaxserve.output_text import OutputText
 from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
-from jaxserve.step_batch import ScheduledSeq, build_step
+from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
 from jaxserve.structured_output import GrammarMatchers
 from jaxserve.sharding import canonical_sharding_for, kv_heads_per_memory, make_mesh
 from jaxserve.tokenizer import DECODE_CONTEXT, Tokenizer, decode_after
@@ -93,16 +94,16 @@ class Engine:
                              f"({model_config.max_position_embeddings})")
         self.backend = select_backend(config.attention_backend)
         if runner is None:
-            runner, self.kv_budget_reason, self.max_model_len_reason = self._build_runner(weights)
+            runner, self.kv_budget_reason, self.max_model_len_reason, self.weights_reason = self._build_runner(weights)
         else:
-            self.kv_budget_reason = self.max_model_len_reason = "the engine it was made from"
+            self.kv_budget_reason = self.max_model_len_reason = self.weights_reason = "the engine it was made from"
         self.runner = runner
         self.max_model_len = runner.config.max_model_len
         self._reset_scheduler()
 
-    def _build_runner(self, weights) -> tuple[Runner, str, str]:
+    def _build_runner(self, weights) -> tuple[Runner, str, str, str]:
         """The model on the device, then a KV pool in the memory it leaves, and their runner; with
-        why the pool has its size and max_model_len its value."""
+        why the pool has its size, max_model_len its value, and the weights their dtype."""
         config, model_config = self.config, self.model_config
         model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
         kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
@@ -119,13 +120,30 @@ class Engine:
             raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
         max_model_len, why = _resolve_max_model_len(config, model_config, num_pages)
         log.info("max_model_len %d (%s)", max_model_len, why)
+        budget = config.step_token_budget(max_model_len)
+        weights_reason = auto_weights_dtype()[1] if config.dtype == "auto" else "asked for"
+        plan, other = None, None
+        if config.dtype == "auto" and jax.default_backend() == "cpu" and mesh is None:
+            plan = self._dtype_plan(budget)
+            weights_reason = plan.describe()
+            log.info("weights %s: %s", "/".join(sorted(plan.dtypes())), weights_reason)
+            for dtype in plan.dtypes() - {config.weights_dtype}:
+                other = Transformer(model_config, weights, jnp.dtype(dtype))
+            if config.weights_dtype not in plan.dtypes():  # every program in the other dtype
+                model, other = other, None
         runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
-            max_model_len=max_model_len, attention_backend=self.backend,
-            max_num_batched_tokens=config.step_token_budget(max_model_len), num_logprobs=MAX_LOGPROBS,
-            kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled")),
-            mesh=mesh)
-        return runner, reason, why
+            max_model_len=max_model_len, attention_backend=self.backend, max_num_batched_tokens=budget,
+            num_logprobs=MAX_LOGPROBS, kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled"),
+            program_dtypes=plan.programs() if plan else (), min_rows=plan.min_rows if plan else None),
+            mesh=mesh, other=other)
+        return runner, reason, why, weights_reason
+
+    def _dtype_plan(self, budget: int) -> DtypePlan:
+        """Which dtype each program's weights are in, measured on this CPU (`jaxserve.dtype_plan`)."""
+        sizes = StepBuckets(max_tokens=budget, max_seqs=self.config.max_slots)
+        return plan_for(self.model_config, sizes.token_sizes, sizes.row_sizes, self.config.weights_dtype,
+                        os.path.join(cache_root(), "dtype_plans.json"))
 
     def _reset_scheduler(self) -> None:
         """A fresh block manager and scheduler for `self.config` over the runner's pool."""
@@ -191,20 +209,19 @@ class Engine:
         """What start-up resolved, one line each: backend, dtypes and why, KV pages, shapes."""
         config, runner = self.config, self.runner
         device = jax.devices()[0]
-        why = auto_weights_dtype()[1] if config.dtype == "auto" else "asked for"
         pool_bytes = sum(x.nbytes for x in runner.kv_pool)
         buckets = runner.buckets
         return "\n".join([
             f"model {self.model_name}: {self.model_config.num_layers} layers, vocab {self.model_config.vocab_size}",
             f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}",
-            f"weights {config.weights_dtype} ({why}); KV cache {config.kv_dtype}",
+            f"weights {'/'.join(sorted(runner.states))} ({self.weights_reason}); KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
             f"({'num_pages asked for' if config.num_pages else self.kv_budget_reason}); "
             f"max_model_len {self.max_model_len} ({self.max_model_len_reason})",
             f"{len(runner.all_programs())} step programs: the layers per token bucket ({len(buckets.token_sizes)}, "
             f"up to {buckets.max_tokens} tokens), the output layer and sampling per row bucket "
             f"({len(buckets.row_sizes)}, up to {buckets.max_rows} sequences), from {buckets.min_rows} "
-            f"row{'s (a one-row bfloat16 dot is slow on XLA:CPU)' if buckets.min_rows > 1 else ''}",
+            f"row{'s (a one-row step is slower here than a two-row one)' if buckets.min_rows > 1 else ''}",
             f"async scheduling {'on' if config.overlaps_steps else 'off'}"
             f"{'' if config.async_scheduling is not None else ' (auto: on for accelerators only)'}",
             _describe_groups(runner.kv_groups),

@@ -5,7 +5,8 @@ On GPUs and TPUs the weights are bfloat16 (float32 accumulation). On a CPU, XLA'
 fast only where the CPU has bfloat16 dot instructions (x86 `avx512_bf16` or `amx_bf16`, Arm
 `bf16`); without them a bfloat16 dot runs slower than a float32 one (measured on an AVX2-only AMD
 EPYC: the default bfloat16 decoded at 0.59x float32's speed at batch 1 and 0.88x at batch 64), so
-there the weights stay float32.
+there the weights are loaded in float32; `jaxserve.dtype_plan` then measures, per step bucket,
+whether a copy in the other dtype is the faster.
 """
 
 from __future__ import annotations
@@ -69,3 +70,17 @@ def auto_weights_dtype() -> tuple[str, str]:
         return "bfloat16", f"CPU with bfloat16 dot instructions ({', '.join(native)})"
     return "float32", (f"CPU ({platform.machine()}) without bfloat16 dot instructions: "
                        "XLA's bfloat16 dots run slower than float32 there")
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (what `lscpu` prints), or the platform's processor."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -50,6 +50,10 @@ class RunnerConfig:
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
     num_logprobs: int = 5
     kv_dtype: str = "float32"
+    # ((kind, size), dtype) of programs whose weights are in another dtype than the model's, and
+    # the smallest bucket (None: 2 for a bfloat16 model on CPU, else 1); see `jaxserve.dtype_plan`
+    program_dtypes: tuple[tuple[tuple[str, int], str], ...] = ()
+    min_rows: int | None = None
     cache_dir: str | None = None  # compiled programs are saved and loaded here (None: not kept)
 
 
@@ -68,8 +72,9 @@ class StepOutput:
 
 
 class Runner:
-    def __init__(self, model: Transformer, config: RunnerConfig, mesh=None):
-        """`mesh` (from `jaxserve.sharding.make_mesh`): lay params, KV pool and step inputs out on it."""
+    def __init__(self, model: Transformer, config: RunnerConfig, mesh=None, other: Transformer | None = None):
+        """`mesh` (from `jaxserve.sharding.make_mesh`): lay params, KV pool and step inputs out on it.
+        `other`: the same model in another dtype, for the programs `config.program_dtypes` puts in it."""
         self.config = config
         self.model_config = model.cfg
         self.mesh = mesh
@@ -84,6 +89,15 @@ class Runner:
             kv_sharding = sharding.kv_pool_sharding(mesh, model.cfg)
             self.attend = sharding.per_shard_attention(self.attend, mesh, model.cfg)
         self.kv_sharding = kv_sharding
+        self.dtype = str(model.embed[...].dtype)
+        self.states = {self.dtype: self.state}
+        if other is not None:
+            if mesh is not None:
+                raise ValueError("a second copy of the weights in another dtype is for one device only")
+            self.states[str(other.embed[...].dtype)] = nnx.split(other)[1]
+        missing = {dtype for _, dtype in config.program_dtypes} - self.states.keys()
+        if missing:
+            raise ValueError(f"program_dtypes names {sorted(missing)}, but the weights are in {sorted(self.states)}")
         # On CPU the reference attention reads a bfloat16 pool kept as bits (see kv_pool).
         as_bits = config.attention_backend == "reference" and jax.default_backend() == "cpu"
         self.kv_dtype = storage_dtype(config.kv_dtype, as_bits)
@@ -94,8 +108,9 @@ class Runner:
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
         # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there.
         one_row_trap = jax.default_backend() == "cpu" and model.embed[...].dtype == jnp.bfloat16
+        min_rows = config.min_rows or (2 if one_row_trap else 1)
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
-                                   max_seqs=config.max_slots // self.replicas, min_rows=2 if one_row_trap else 1)
+                                   max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
         self._compiled: dict[tuple, object] = {}
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
@@ -124,13 +139,14 @@ class Runner:
 
     def _dispatch(self, batch: StepBatch, logprobs: bool) -> InFlight:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
-        state, pool, slot_tokens, *inputs = self.step_args(batch)
+        _, pool, slot_tokens, *inputs = self.step_args(batch)
         tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots, allowed = inputs
         forward = self._executable(("forward", tokens))
-        self.kv_pool, hidden = forward(state, pool, slot_tokens, tokens_in, token_slots, meta, logits_indices)
+        self.kv_pool, hidden = forward(self.state_for(("forward", tokens)), pool, slot_tokens, tokens_in, token_slots,
+                                       meta, logits_indices)
         sample_step = self._executable(("sample", rows))
-        self.slot_tokens, next_tokens, logits = sample_step(state, self.slot_tokens, hidden, sampling, positions,
-                                                            sample_slots, allowed)
+        self.slot_tokens, next_tokens, logits = sample_step(self.state_for(("sample", rows)), self.slot_tokens, hidden,
+                                                            sampling, positions, sample_slots, allowed)
         out = (next_tokens,)
         if logprobs:
             out += tuple(self._executable(("logprobs", rows))(logits, next_tokens))
@@ -154,6 +170,11 @@ class Runner:
         allowed = self._all_allowed(len(batch.sample_slots)) if batch.allowed is None else \
             self._place_rows(batch.allowed)
         return (self.state, self.kv_pool, self.slot_tokens, *inputs, allowed)
+
+    def state_for(self, key: tuple):
+        """The weights the program `key` runs on: the model's, or their copy in the dtype
+        `config.program_dtypes` gives it."""
+        return self.states[dict(self.config.program_dtypes).get(key, self.dtype)]
 
     def _all_allowed(self, rows: int) -> jax.Array:
         """The mask [rows, M] that allows every token, kept on the device per row bucket: a step
@@ -248,8 +269,9 @@ class Runner:
         kind, size = key
         batch = self.padding_batch(size, self.buckets.min_rows) if kind == "forward" else \
             self.padding_batch(self.buckets.token_sizes[0], size)
-        state, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots, \
+        _, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots, \
             allowed = self.step_args(batch)
+        state = self.state_for(key)
         rows, width = self.replicas * size, self.replicas * self.buckets.max_rows
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                       sharding=self._rows_sharding((rows, self.model_config.vocab_size)))
@@ -288,7 +310,7 @@ class Runner:
         """Everything but the step's shape that changes a compiled program (the cache's key; the
         same in every process of a multi-host group)."""
         leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None)))
-                  for x in jax.tree.leaves((self.state, self.kv_pool))]
+                  for x in jax.tree.leaves((self.states, self.kv_pool))]
         device = jax.devices()[0]
         return "\n".join(map(str, (
             self.model_config, self.config, self.buckets, leaves, jax.__version__, device.platform,

@@ -207,7 +207,7 @@ def budget_sweep(args, budgets: list[int]) -> None:
         rows = [(b, mixed_step_time(engine, b, 16, args.context, args.reps)) for b in budgets]
         best = max(b / t for b, t in rows)
         for b, t in rows:
-            print(f"| {engine.config.weights_dtype} | {b} | {t * 1e3:.1f} | {b / t:.0f} | {b / t / best:.0%} |", flush=True)
+            print(f"| {label} | {b} | {t * 1e3:.1f} | {b / t:.0f} | {b / t / best:.0%} |", flush=True)
         del engine
 
 
@@ -262,11 +262,12 @@ def main(argv=None) -> None:
             max_model_len=max(512, args.context + 1),
             num_pages=1 + GROUPS * max(batches) * -(-args.context // 16)))
         peak = peak32 if engine.config.weights_dtype == "float32" else peak16
+        label = f"{dtype}: {'/'.join(sorted(engine.runner.states))}"  # "auto" may mix dtypes per bucket
         for b in batches:
             seconds = decode_step_time(engine, b, args.context, args.reps)
             flops, nbytes = step_cost(engine, b, args.context)
             bound = min(peak / flops, bandwidth / nbytes) * b
-            print(f"| {engine.config.weights_dtype} | {b} | {seconds * 1e3:.1f} | {b / seconds:.1f} | {flops / seconds / 1e9:.0f} "
+            print(f"| {label} | {b} | {seconds * 1e3:.1f} | {b / seconds:.1f} | {flops / seconds / 1e9:.0f} "
                   f"| {nbytes / seconds / 1e9:.1f} | {bound:.0f} | {b / seconds / bound:.0%} |", flush=True)
         del engine
 

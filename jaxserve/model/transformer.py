@@ -73,7 +73,7 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(put(xp.asarray(weights["lm_head"], dtype)))
         self.final_norm = RMSNorm(put(xp.asarray(weights["final_norm"], jnp.float32)), cfg.rms_norm_eps)
         per_layer = [_layer_weights(cfg, weights, i, dtype, xp) for i in range(cfg.num_layers)]
-        self.layers = DecoderLayer(cfg, {name: put(_as_bits(xp.stack([w[name] for w in per_layer])))
+        self.layers = DecoderLayer(cfg, {name: put(as_bits(xp.stack([w[name] for w in per_layer])))
                                          for name in per_layer[0]})
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
@@ -94,7 +94,7 @@ class Transformer(nnx.Module):
         def layer_step(carry, xs):
             x, pool = carry
             params, constants = xs
-            params = jax.tree.map(_from_bits, params)
+            params = jax.tree.map(from_bits, params)
             return nnx.merge(graphdef, params)(x, pool, constants, meta, attend, rope), None
         xs = (stacked, LayerConstants.stacked(self.cfg))
         (x, new_pool), _ = jax.lax.scan(layer_step, (x, tuple(kv_pool)), xs)
@@ -114,13 +114,13 @@ class Transformer(nnx.Module):
 # of the loop, so every step would convert all the layers' weights (and a bitcast of the stack at
 # the start of the step is a copy). So stacked bfloat16 weights are kept as their bits (uint16):
 # the scan slices integers, and each layer reinterprets its own slice.
-def _as_bits(x):
+def as_bits(x):
     if x.dtype != jnp.bfloat16:
         return x
     return x.view(np.uint16) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, jnp.uint16)
 
 
-def _from_bits(x):
+def from_bits(x):
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 

@@ -1,0 +1,223 @@
+"""Which weight dtype each step program runs in, on a CPU: measured on the machine, per bucket.
+
+XLA:CPU's float32 and bfloat16 dots do not rank the same way at every row count, and not the same
+way on every CPU. On an AVX2-only AMD EPYC, bfloat16 decoded faster than float32 at 8 sequences
+but slower at 1 and at 64; on an AMD EPYC with AVX-512 BF16, a one-row bfloat16 output layer took
+10x its float32 form while two rows were twice as fast in bfloat16. So with `dtype="auto"` on a
+CPU the engine times, at every bucket and in both dtypes, the dots that dominate its programs:
+the layers' four matrices (qkv, o, gate/up, down) at each token count, run as the model runs them
+(a scan over stacked weights, streamed from memory), and the output layer at each row count. Each
+program then runs in the faster dtype, on a second copy of the weights where both are used (if
+the copy fits in a quarter of the host's available memory), and the smallest bucket is one row
+only where a one-row step is the faster.
+
+The timings are kept in `$JAXSERVE_CACHE/dtype_plans.json`, keyed by everything they depend on
+(CPU, jax version, XLA flags, the model's matrix shapes, the buckets): measured once per machine
+and model (about 8 s for Gemma 3 270M on 2 cores), read on every later start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import time
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.machine import cpu_flags, cpu_model
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.layers import dense, dense_transposed
+from jaxserve.model.transformer import as_bits, from_bits
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+MARGIN, MIN_GAIN_MS = 0.9, 1.0  # what "clearly faster" takes (a second copy of the weights costs memory)
+MAX_TIMED_BYTES = 128 << 20  # float32 bytes timed of the layers, and of the output layer: past any cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypePlan:
+    """Milliseconds per dtype of each program's dominant dots: `forward[T]` (every layer) per
+    token bucket, `sample[R]` (the output layer) per row bucket; and the dtype the weights were
+    loaded in, which a program leaves only where the other is clearly faster."""
+
+    primary: str
+    forward: Mapping[int, Mapping[str, float]]
+    sample: Mapping[int, Mapping[str, float]]
+    single: bool = False  # one dtype for every program: no room for a second copy
+
+    def dtype(self, kind: str, size: int) -> str:
+        """The dtype of the program `(kind, size)` ("forward" or "sample")."""
+        times = (self.forward if kind == "forward" else self.sample)[size]
+        best = min(DTYPES, key=times.__getitem__)
+        return best if not self.single and clearly_faster(times[best], times[self.primary]) else self.primary
+
+    def step_ms(self, size: int) -> float:
+        """The dots of a step of `size` tokens and rows, each program in its dtype."""
+        return self.forward[size][self.dtype("forward", size)] + self.sample[size][self.dtype("sample", size)]
+
+    @property
+    def min_rows(self) -> int:
+        """The smallest bucket: 1 where a step of one token and one row is clearly faster than one of
+        two, else 2 (a one-row bfloat16 dot on XLA:CPU is 5-10x slower than two rows)."""
+        both = {1, 2} <= self.forward.keys() & self.sample.keys()
+        return 1 if not both or clearly_faster(self.step_ms(1), self.step_ms(2)) else 2
+
+    def programs(self) -> tuple[tuple[tuple[str, int], str], ...]:
+        """((kind, size), dtype) of every program from `min_rows` up (a runner's config, and so
+        its compile cache's key)."""
+        return tuple(((kind, size), self.dtype(kind, size))
+                     for kind, table in (("forward", self.forward), ("sample", self.sample))
+                     for size in table if size >= self.min_rows)
+
+    def dtypes(self) -> set[str]:
+        return {dtype for _, dtype in self.programs()}
+
+    def describe(self) -> str:
+        """Why the programs run in the dtypes they do, in a line."""
+        programs = self.programs()
+        if len(self.dtypes()) == 1:
+            return "no room for a second copy of the weights" if self.single else "measured the faster at every bucket"
+        parts = []
+        for kind, name in (("forward", "layers"), ("sample", "output layer")):
+            for dtype in DTYPES:
+                sizes = [str(size) for (k, size), d in programs if k == kind and d == dtype]
+                if sizes:
+                    parts.append(f"{name} at {','.join(sizes)} in {dtype}")
+        return "per bucket, measured the faster here: " + "; ".join(parts)
+
+
+def clearly_faster(ms: float, than: float) -> bool:
+    """Faster by 10% and by a millisecond: not by this machine's noise, nor on a tiny model."""
+    return ms < MARGIN * than and than - ms >= MIN_GAIN_MS
+
+
+def plan_for(cfg: ModelConfig, token_sizes, row_sizes, primary: str, cache_file: str,
+             measure: Callable | None = None) -> DtypePlan:
+    """The plan of this machine for `cfg`'s shapes and these buckets: timings from `cache_file`,
+    or measured now (`measure(cfg, token_sizes, row_sizes)`, by default `measure_dots`) and saved."""
+    measure = measure or measure_dots
+    key = _key(cfg, token_sizes, row_sizes)
+    saved = _read(cache_file)
+    timings = saved.get(key)
+    if not _complete(timings, token_sizes, row_sizes):
+        start = time.perf_counter()
+        timings = measure(cfg, token_sizes, row_sizes)
+        log.info("timed the dots of %d buckets in both dtypes in %.1f s", len(token_sizes) + len(row_sizes),
+                 time.perf_counter() - start)
+        _write(cache_file, {**saved, key: timings})
+    as_ints = lambda table: {int(size): dict(times) for size, times in table.items()}  # noqa: E731 (JSON keys)
+    plan = DtypePlan(primary, as_ints(timings["forward"]), as_ints(timings["sample"]))
+    extra = sum(_weight_bytes(cfg, d) for d in plan.dtypes() - {primary})
+    if extra > available_memory() // 4:
+        log.info("a second copy of the weights (%.2f GiB) would not fit in a quarter of the available memory",
+                 extra / 2**30)
+        plan = dataclasses.replace(plan, single=True)
+    return plan
+
+
+def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dict:
+    """Milliseconds per dtype (the best of `reps` runs, the first one cold) of the layers' dots per
+    token count, and of the output layer's per row count. The layers run as the model runs them: a
+    scan over stacked weights that stream from memory; on at most `MAX_TIMED_BYTES` of them, the
+    time then scaled to the whole model."""
+    d, k, h = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim
+    layer = [(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * k), (h, d), (d, 2 * cfg.intermediate_size),
+             (cfg.intermediate_size, d)]
+    layers = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * sum(a * b for a, b in layer))))
+    vocab = min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d))
+    timings = {"forward": {}, "sample": {}}
+    for dtype in DTYPES:
+        stacked = [as_bits(jnp.zeros((layers, *shape), dtype)) for shape in layer]
+        for t, ms in zip(token_sizes, _time_each(_layers, token_sizes, d, stacked, reps)):
+            timings["forward"].setdefault(str(t), {})[dtype] = ms * cfg.num_layers / layers
+        head = jnp.zeros((vocab, d), dtype)
+        for r, ms in zip(row_sizes, _time_each(dense_transposed, row_sizes, d, head, reps)):
+            timings["sample"].setdefault(str(r), {})[dtype] = ms * cfg.vocab_size / vocab
+        del stacked, head
+    return timings
+
+
+def _layers(x, stacked):
+    """x [T, D] through each layer's qkv, o, gate/up and down matrices, as `Transformer` runs them."""
+    def layer(x, weights):
+        qkv, o, gate_up, down = map(from_bits, weights)
+        x = x + dense(dense(x, qkv)[:, :o.shape[0]], o)
+        return x + dense(dense(x, gate_up)[:, :down.shape[0]], down), None
+    return jax.lax.scan(layer, x, stacked)[0]
+
+
+def _time_each(fn, sizes, d: int, weights, reps: int) -> list[float]:
+    """Best milliseconds of `fn(x, weights)` for x of each row count in `sizes`, each size compiled
+    on its own as the engine compiles it (inside one `lax.switch` over the sizes, XLA:CPU ran a
+    24-row bfloat16 output layer 6x slower than alone)."""
+    best = []
+    for n in sizes:
+        x = jnp.ones((n, d), jnp.float32)
+        compiled = jax.jit(fn).lower(x, weights).compile()
+        runs = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(x, weights))
+            runs.append(time.perf_counter() - start)
+        best.append(min(runs) * 1e3)
+    return best
+
+
+def _weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    d, k, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * k + cfg.num_heads * k * d + 3 * d * i
+    matrices = cfg.num_layers * per_layer + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return matrices * jnp.dtype(dtype).itemsize
+
+
+def available_memory() -> int:
+    """Bytes the host can still give (MemAvailable), or 0 where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _key(cfg: ModelConfig, token_sizes, row_sizes) -> str:
+    shapes = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+              cfg.vocab_size)
+    return " | ".join(map(str, (cpu_model(), platform.machine(), sorted(cpu_flags()), jax.__version__,
+                                os.environ.get("XLA_FLAGS", ""), shapes, list(token_sizes), list(row_sizes))))
+
+
+def _complete(timings, token_sizes, row_sizes) -> bool:
+    """Whether saved timings hold both dtypes at every size (a file edited or cut short does not)."""
+    try:
+        return all(isinstance(timings[kind][str(size)][dtype], (int, float))
+                   for kind, sizes in (("forward", token_sizes), ("sample", row_sizes))
+                   for size in sizes for dtype in DTYPES)
+    except (KeyError, TypeError):
+        return False
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        return saved if isinstance(saved, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: str, plans: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(plans, f)
+    os.replace(tmp, path)
