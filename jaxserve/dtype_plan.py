@@ -7,17 +7,23 @@ but slower at 1 and at 64; on an AMD EPYC with AVX-512 BF16, a one-row bfloat16 
 CPU the engine times, at every bucket and in both dtypes, the dots that dominate its programs:
 the layers' four matrices (qkv, o, gate/up, down) at each token count, run as the model runs them
 (a scan over stacked weights, streamed from memory), and the output layer at each row count. Each
-program then runs in the faster dtype, on a second copy of the weights where both are used (if
-the copy fits in a quarter of the host's available memory), and the smallest bucket is one row
-only where a one-row step is the faster.
+program then runs in the dtype that is clearly the faster (by 10% and a millisecond), on a second
+copy of the weights where both are used: if that copy makes some decode batch at least 25% faster
+and fits in a quarter of the host's available memory; else every program runs in the loaded
+dtype. The smallest bucket is one row only where a one-row step is clearly the faster.
+
+Where the CPU has bfloat16 dot instructions the plan came out bfloat16 at every bucket from two
+rows (an AMD EPYC with AVX-512 BF16, three runs: float32 saved only the one-row output layer,
+not a quarter of any step), so the engine measures only on CPUs without them.
 
 The timings are kept in `$JAXSERVE_CACHE/dtype_plans.json`, keyed by everything they depend on
 (CPU, jax version, XLA flags, the model's matrix shapes, the buckets): measured once per machine
-and model (about 8 s for Gemma 3 270M on 2 cores), read on every later start.
+and model (about 6 s for Gemma 3 270M on 2 cores), read on every later start.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -37,26 +43,29 @@ from jaxserve.model.transformer import as_bits, from_bits
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
-MARGIN, MIN_GAIN_MS = 0.9, 1.0  # what "clearly faster" takes (a second copy of the weights costs memory)
-MAX_TIMED_BYTES = 128 << 20  # float32 bytes timed of the layers, and of the output layer: past any cache
+MARGIN, MIN_GAIN_MS = 0.9, 1.0  # what "clearly faster" takes
+COPY_GAIN = 0.75  # a second copy of the weights must make some decode batch 25% faster
+MAX_TIMED_BYTES = 128 << 20  # float32 weights timed, of the layers and of the output layer: past any cache
+MAX_TIMED_FLOPS = 2e9  # per timed run of the layers: where the dots are compute-bound, fewer layers
 
 
 @dataclasses.dataclass(frozen=True)
 class DtypePlan:
     """Milliseconds per dtype of each program's dominant dots: `forward[T]` (every layer) per
-    token bucket, `sample[R]` (the output layer) per row bucket; and the dtype the weights were
-    loaded in, which a program leaves only where the other is clearly faster."""
+    token bucket, `sample[R]` (the output layer) per row bucket; the dtype the weights were loaded
+    in; and whether programs may run on a copy in the other dtype, where it is clearly faster."""
 
     primary: str
     forward: Mapping[int, Mapping[str, float]]
     sample: Mapping[int, Mapping[str, float]]
-    single: bool = False  # one dtype for every program: no room for a second copy
+    mixed: bool = True
+    reason: str = ""  # why not mixed
 
     def dtype(self, kind: str, size: int) -> str:
         """The dtype of the program `(kind, size)` ("forward" or "sample")."""
         times = (self.forward if kind == "forward" else self.sample)[size]
         best = min(DTYPES, key=times.__getitem__)
-        return best if not self.single and clearly_faster(times[best], times[self.primary]) else self.primary
+        return best if self.mixed and clearly_faster(times[best], times[self.primary]) else self.primary
 
     def step_ms(self, size: int) -> float:
         """The dots of a step of `size` tokens and rows, each program in its dtype."""
@@ -68,6 +77,10 @@ class DtypePlan:
         two, else 2 (a one-row bfloat16 dot on XLA:CPU is 5-10x slower than two rows)."""
         both = {1, 2} <= self.forward.keys() & self.sample.keys()
         return 1 if not both or clearly_faster(self.step_ms(1), self.step_ms(2)) else 2
+
+    def decode_ms(self, batch: int) -> float:
+        """The dots of a decode step of `batch` sequences, in the bucket it rounds up to."""
+        return self.step_ms(min(s for s in self.sample.keys() & self.forward.keys() if s >= max(batch, self.min_rows)))
 
     def programs(self) -> tuple[tuple[tuple[str, int], str], ...]:
         """((kind, size), dtype) of every program from `min_rows` up (a runner's config, and so
@@ -83,7 +96,7 @@ class DtypePlan:
         """Why the programs run in the dtypes they do, in a line."""
         programs = self.programs()
         if len(self.dtypes()) == 1:
-            return "no room for a second copy of the weights" if self.single else "measured the faster at every bucket"
+            return self.reason or "measured the faster at every bucket"
         parts = []
         for kind, name in (("forward", "layers"), ("sample", "output layer")):
             for dtype in DTYPES:
@@ -101,7 +114,9 @@ def clearly_faster(ms: float, than: float) -> bool:
 def plan_for(cfg: ModelConfig, token_sizes, row_sizes, primary: str, cache_file: str,
              measure: Callable | None = None) -> DtypePlan:
     """The plan of this machine for `cfg`'s shapes and these buckets: timings from `cache_file`,
-    or measured now (`measure(cfg, token_sizes, row_sizes)`, by default `measure_dots`) and saved."""
+    or measured now (`measure(cfg, token_sizes, row_sizes)`, by default `measure_dots`) and saved.
+    Programs leave the loaded dtype only if that makes a decode batch 25% faster, and the copy
+    fits in a quarter of the host's available memory."""
     measure = measure or measure_dots
     key = _key(cfg, token_sizes, row_sizes)
     saved = _read(cache_file)
@@ -113,34 +128,56 @@ def plan_for(cfg: ModelConfig, token_sizes, row_sizes, primary: str, cache_file:
                  time.perf_counter() - start)
         _write(cache_file, {**saved, key: timings})
     as_ints = lambda table: {int(size): dict(times) for size, times in table.items()}  # noqa: E731 (JSON keys)
-    plan = DtypePlan(primary, as_ints(timings["forward"]), as_ints(timings["sample"]))
-    extra = sum(_weight_bytes(cfg, d) for d in plan.dtypes() - {primary})
-    if extra > available_memory() // 4:
-        log.info("a second copy of the weights (%.2f GiB) would not fit in a quarter of the available memory",
-                 extra / 2**30)
-        plan = dataclasses.replace(plan, single=True)
-    return plan
+    mixed = DtypePlan(primary, as_ints(timings["forward"]), as_ints(timings["sample"]))
+    if mixed.dtypes() == {primary}:
+        return mixed
+    other = next(iter(set(DTYPES) - {primary}))
+    single = dataclasses.replace(mixed, mixed=False)
+    if not any(mixed.decode_ms(b) < COPY_GAIN * single.decode_ms(b) for b in row_sizes):
+        return dataclasses.replace(single, reason=f"measured: a copy in {other} would make no decode batch "
+                                                  f"{1 - COPY_GAIN:.0%} faster")
+    if _weight_bytes(cfg, other) > available_memory() // 4:
+        return dataclasses.replace(single, reason=f"a copy in {other}, faster at some buckets, would not fit in "
+                                                  "a quarter of the available memory")
+    return mixed
 
 
 def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dict:
     """Milliseconds per dtype (the best of `reps` runs, the first one cold) of the layers' dots per
-    token count, and of the output layer's per row count. The layers run as the model runs them: a
-    scan over stacked weights that stream from memory; on at most `MAX_TIMED_BYTES` of them, the
-    time then scaled to the whole model."""
+    token count, and of the output layer's per row count, each size compiled on its own as the
+    engine compiles it (token counts between the most rows and the largest are interpolated). The
+    layers run as the model runs them, a scan over stacked weights: at
+    most `MAX_TIMED_BYTES` of them, so that they stream from memory as a step's do, and fewer
+    where a run would pass `MAX_TIMED_FLOPS` (the dots are compute-bound there); each time is
+    then scaled to the whole model."""
     d, k, h = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim
     layer = [(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * k), (h, d), (d, 2 * cfg.intermediate_size),
              (cfg.intermediate_size, d)]
-    layers = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * sum(a * b for a, b in layer))))
+    per_layer = sum(a * b for a, b in layer)
+    most = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * per_layer)))
     vocab = min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d))
+    # Token counts past the most rows are prompt chunks, compute-bound: the largest is timed, and
+    # those between are interpolated (each timed size costs a compile).
+    timed = [t for t in token_sizes if t <= max(row_sizes) or t == max(token_sizes)]
     timings = {"forward": {}, "sample": {}}
-    for dtype in DTYPES:
-        stacked = [as_bits(jnp.zeros((layers, *shape), dtype)) for shape in layer]
-        for t, ms in zip(token_sizes, _time_each(_layers, token_sizes, d, stacked, reps)):
-            timings["forward"].setdefault(str(t), {})[dtype] = ms * cfg.num_layers / layers
-        head = jnp.zeros((vocab, d), dtype)
-        for r, ms in zip(row_sizes, _time_each(dense_transposed, row_sizes, d, head, reps)):
-            timings["sample"].setdefault(str(r), {})[dtype] = ms * cfg.vocab_size / vocab
-        del stacked, head
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:  # compiles, while nothing is timed
+        for dtype in DTYPES:
+            stacked = [as_bits(jnp.zeros((most, *shape), dtype)) for shape in layer]
+            head = jnp.zeros((vocab, d), dtype)
+            runs = []
+            for t in timed:
+                n = max(1, min(most, int(MAX_TIMED_FLOPS // (2 * t * per_layer))))
+                runs.append(("forward", t, n, cfg.num_layers / n, _layers, [w[:n] for w in stacked]))
+            runs += [("sample", r, 1, cfg.vocab_size / vocab, dense_transposed, head) for r in row_sizes]
+            compiled = pool.map(lambda run: _compile(run[4], run[1], d, run[5]), runs)
+            for (kind, size, _, scale, _, weights), program in zip(runs, list(compiled)):
+                timings[kind].setdefault(str(size), {})[dtype] = _best_ms(program, weights, reps) * scale
+            del stacked, head, runs
+    for t in sorted(set(token_sizes) - set(timed)):
+        below, above = max(s for s in timed if s < t), min(s for s in timed if s > t)
+        at = lambda size, dtype: timings["forward"][str(size)][dtype]  # noqa: E731
+        timings["forward"][str(t)] = {dtype: at(below, dtype) + (at(above, dtype) - at(below, dtype))
+                                      * (t - below) / (above - below) for dtype in DTYPES}
     return timings
 
 
@@ -153,21 +190,21 @@ def _layers(x, stacked):
     return jax.lax.scan(layer, x, stacked)[0]
 
 
-def _time_each(fn, sizes, d: int, weights, reps: int) -> list[float]:
-    """Best milliseconds of `fn(x, weights)` for x of each row count in `sizes`, each size compiled
-    on its own as the engine compiles it (inside one `lax.switch` over the sizes, XLA:CPU ran a
-    24-row bfloat16 output layer 6x slower than alone)."""
-    best = []
-    for n in sizes:
-        x = jnp.ones((n, d), jnp.float32)
-        compiled = jax.jit(fn).lower(x, weights).compile()
-        runs = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(x, weights))
-            runs.append(time.perf_counter() - start)
-        best.append(min(runs) * 1e3)
-    return best
+def _compile(fn, rows: int, d: int, weights):
+    """`fn(x, weights)` compiled for x [rows, d] (inside one `lax.switch` over the sizes instead,
+    XLA:CPU ran a 24-row bfloat16 output layer 6x slower than alone), with its x."""
+    x = jnp.ones((rows, d), jnp.float32)
+    return jax.jit(fn).lower(x, weights).compile(), x
+
+
+def _best_ms(program, weights, reps: int) -> float:
+    compiled, x = program
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(x, weights))
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def _weight_bytes(cfg: ModelConfig, dtype: str) -> int:

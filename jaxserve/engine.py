@@ -43,7 +43,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.dtype_plan import DtypePlan, plan_for
 from jaxserve.errors import QueueFullError
 from jaxserve.kv_pool import pages_in_budget
-from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype
+from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root, load_model
@@ -121,16 +121,7 @@ class Engine:
         max_model_len, why = _resolve_max_model_len(config, model_config, num_pages)
         log.info("max_model_len %d (%s)", max_model_len, why)
         budget = config.step_token_budget(max_model_len)
-        weights_reason = auto_weights_dtype()[1] if config.dtype == "auto" else "asked for"
-        plan, other = None, None
-        if config.dtype == "auto" and jax.default_backend() == "cpu" and mesh is None:
-            plan = self._dtype_plan(budget)
-            weights_reason = plan.describe()
-            log.info("weights %s: %s", "/".join(sorted(plan.dtypes())), weights_reason)
-            for dtype in plan.dtypes() - {config.weights_dtype}:
-                other = Transformer(model_config, weights, jnp.dtype(dtype))
-            if config.weights_dtype not in plan.dtypes():  # every program in the other dtype
-                model, other = other, None
+        model, other, plan, weights_reason = self._dtype_per_program(model, weights, budget, mesh)
         runner = Runner(model, RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
             max_model_len=max_model_len, attention_backend=self.backend, max_num_batched_tokens=budget,
@@ -139,11 +130,27 @@ class Engine:
             mesh=mesh, other=other)
         return runner, reason, why, weights_reason
 
-    def _dtype_plan(self, budget: int) -> DtypePlan:
-        """Which dtype each program's weights are in, measured on this CPU (`jaxserve.dtype_plan`)."""
-        sizes = StepBuckets(max_tokens=budget, max_seqs=self.config.max_slots)
-        return plan_for(self.model_config, sizes.token_sizes, sizes.row_sizes, self.config.weights_dtype,
+    def _dtype_per_program(self, model: Transformer, weights, budget: int, mesh
+                           ) -> tuple[Transformer, Transformer | None, DtypePlan | None, str]:
+        """(the runner's model, its copy in another dtype or None, the plan or None, why): with
+        dtype="auto" on one CPU without bfloat16 dot instructions, each program's dtype as measured
+        there (`jaxserve.dtype_plan`); else every program in the loaded dtype."""
+        config = self.config
+        if config.dtype != "auto":
+            return model, None, None, "asked for"
+        reason = auto_weights_dtype()[1]
+        if jax.default_backend() != "cpu" or mesh is not None or bf16_dot_instructions():
+            return model, None, None, reason
+        sizes = StepBuckets(max_tokens=budget, max_seqs=config.max_slots)
+        plan = plan_for(self.model_config, sizes.token_sizes, sizes.row_sizes, config.weights_dtype,
                         os.path.join(cache_root(), "dtype_plans.json"))
+        reason = f"{reason}; {plan.describe()}"
+        log.info("weights %s: %s", "/".join(sorted(plan.dtypes())), reason)
+        other = next((Transformer(self.model_config, weights, jnp.dtype(dtype))
+                      for dtype in plan.dtypes() - {config.weights_dtype}), None)
+        if config.weights_dtype not in plan.dtypes():  # every program in the other dtype
+            return other, None, plan, reason
+        return model, other, plan, reason
 
     def _reset_scheduler(self) -> None:
         """A fresh block manager and scheduler for `self.config` over the runner's pool."""

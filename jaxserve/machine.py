@@ -33,6 +33,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def bf16_dot_instructions() -> list[str]:
+    """The CPU's bfloat16 dot instruction sets among its flags (none: XLA emulates bfloat16 dots)."""
+    return sorted(BF16_FLAGS & cpu_flags())
+
+
 def auto_async_scheduling() -> bool:
     """Overlap the host's scheduling with the device's step on accelerators; on a CPU the host
     thread takes a core from XLA (2 cores: steps in order ran 5% faster, and a request arriving
@@ -65,7 +70,7 @@ def auto_weights_dtype() -> tuple[str, str]:
     backend = jax.default_backend()
     if backend != "cpu":
         return "bfloat16", f"{backend}: bfloat16 weights, float32 accumulation"
-    native = sorted(BF16_FLAGS & cpu_flags())
+    native = bf16_dot_instructions()
     if native:
         return "bfloat16", f"CPU with bfloat16 dot instructions ({', '.join(native)})"
     return "float32", (f"CPU ({platform.machine()}) without bfloat16 dot instructions: "

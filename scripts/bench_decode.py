@@ -6,6 +6,7 @@
     python scripts/bench_decode.py --attention --batches 1,16,64 --context 256  # attention vs bandwidth
     python scripts/bench_decode.py --attention --batches 16 --context 4096 --spread 2048 --window 512
     python scripts/bench_decode.py --sampling                # sampling on 16 rows of the model's logits
+    python scripts/bench_decode.py --dtypes float32,bfloat16,auto --hide-bf16-flags  # auto's measured plan
 
 For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
 sequence holding `--context` tokens in the pool) and prints tokens/s, the step's FLOPs and the
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import Engine, EngineConfig
+from jaxserve import Engine, EngineConfig, machine
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.kv_pool import allocate_kv_pool
 from jaxserve.model.kv_groups import kv_groups
@@ -236,10 +237,17 @@ def main(argv=None) -> None:
                    help="--attention: sequences hold context-spread to context+spread tokens, evenly")
     p.add_argument("--window", type=int, default=None, help="--attention: a sliding-window layer's window")
     p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
+    p.add_argument("--hide-bf16-flags", action="store_true",
+                   help="dtype auto as on a CPU without bfloat16 dot instructions: loaded in float32, and each "
+                        "bucket's dtype measured (jaxserve.dtype_plan); the dots still run at this CPU's speeds")
     args = p.parse_args(argv)
     if not 0 <= args.spread < args.context:
         p.error(f"--spread must be in [0, --context), got {args.spread}")
     keep_freed_memory()  # the engine's heap, before jax starts: no buffer re-faulted on each call
+    if args.hide_bf16_flags:
+        flags = machine.cpu_flags() - machine.BF16_FLAGS
+        machine.cpu_flags = lambda: flags
+        machine.auto_weights_dtype.cache_clear()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     print(f"CPU: {model}; jax {jax.__version__}, backend {jax.default_backend()}")
@@ -261,7 +269,7 @@ def main(argv=None) -> None:
             dtype=dtype, max_slots=max(batches), max_num_batched_tokens=max(256, max(batches)),
             max_model_len=max(512, args.context + 1),
             num_pages=1 + GROUPS * max(batches) * -(-args.context // 16)))
-        peak = peak32 if engine.config.weights_dtype == "float32" else peak16
+        peak = peak32 if engine.runner.dtype == "float32" else peak16
         label = f"{dtype}: {'/'.join(sorted(engine.runner.states))}"  # "auto" may mix dtypes per bucket
         for b in batches:
             seconds = decode_step_time(engine, b, args.context, args.reps)

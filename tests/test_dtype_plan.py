@@ -10,7 +10,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import Engine, EngineConfig, SamplingParams, dtype_plan
+from jaxserve import Engine, EngineConfig, SamplingParams, dtype_plan, machine
 from jaxserve.dtype_plan import DtypePlan, plan_for
 from jaxserve.model.config import ModelConfig
 
@@ -62,8 +62,25 @@ def test_no_second_copy_where_it_would_not_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(dtype_plan, "available_memory", lambda: 1 << 16)
     plan = plan_for(CFG, [1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8, 16, 32], F32, str(tmp_path / "plans.json"),
                     measure=lambda *_: as_json(FORWARD, SAMPLE))
-    assert plan.single and plan.dtypes() == {F32}
-    assert plan.describe() == "no room for a second copy of the weights"
+    assert not plan.mixed and plan.dtypes() == {F32}
+    assert plan.describe() == ("a copy in bfloat16, faster at some buckets, would not fit in a quarter of the "
+                               "available memory")
+
+
+def test_no_second_copy_that_makes_no_decode_batch_a_quarter_faster(tmp_path):
+    # bfloat16 is 15-20% faster at every size: clearly faster, but not worth a second copy.
+    forward = table({1: (10, 8.5), 2: (12, 10), 4: (14, 11.5)})
+    sample = table({1: (20, 16), 2: (24, 20), 4: (30, 25)})
+    assert DtypePlan(F32, forward, sample).dtypes() == {BF16}
+    plan = plan_for(CFG, [1, 2, 4], [1, 2, 4], F32, str(tmp_path / "plans.json"),
+                    measure=lambda *_: as_json(forward, sample))
+    assert not plan.mixed and plan.dtypes() == {F32} and plan.min_rows == 1
+    assert plan.describe() == "measured: a copy in bfloat16 would make no decode batch 25% faster"
+    # At 35% faster, it is (and then every program runs in bfloat16: the engine loads only that).
+    forward, sample = table({1: (10, 6.5), 2: (12, 7.8), 4: (14, 9)}), table({1: (20, 13), 2: (24, 15), 4: (30, 19)})
+    plan = plan_for(CFG, [1, 2, 4], [1, 2, 4], F32, str(tmp_path / "other.json"),
+                    measure=lambda *_: as_json(forward, sample))
+    assert plan.mixed and plan.dtypes() == {BF16}
 
 
 CFG = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -121,6 +138,7 @@ def mixed(llama_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXSERVE_CACHE", str(tmp_path_factory.mktemp("dtype-plan-cache")))
         mp.setattr(dtype_plan, "measure_dots", alternating)
+        mp.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # measured only without bf16 dots
         engine = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=4, page_size=8, num_pages=64,
                                                                 max_model_len=128, max_num_batched_tokens=16))
         engine.warmup()
@@ -153,3 +171,13 @@ def test_a_mixed_plan_serves_every_bucket_without_a_compile_after_warmup(mixed, 
     expected = reference.generate(work, params)
     # Some programs hold bfloat16 weights: the first greedy token of a random tiny model mostly survives.
     assert sum(g.token_ids[0] == e.token_ids[0] for g, e in zip(got, expected)) >= 3
+
+
+def test_a_cpu_with_bfloat16_dots_keeps_one_dtype_without_measuring(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(dtype_plan, "measure_dots", lambda *_: pytest.fail("measured"))
+    engine = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=4, page_size=8, num_pages=64,
+                                                            max_model_len=128, max_num_batched_tokens=16))
+    assert engine.runner.config.program_dtypes == () and len(engine.runner.states) == 1
+    assert not (tmp_path / "dtype_plans.json").exists()
