@@ -4,7 +4,8 @@ XLA:CPU's float32 and bfloat16 dots do not rank the same way at every row count,
 way on every CPU. On an AVX2-only AMD EPYC, bfloat16 decoded faster than float32 at 8 sequences
 but slower at 1 and at 64; on an AMD EPYC with AVX-512 BF16, a one-row bfloat16 output layer took
 10x its float32 form while two rows were twice as fast in bfloat16. So with `dtype="auto"` on a
-CPU the engine times, at every bucket and in both dtypes, the dots that dominate its programs:
+CPU without bfloat16 dot instructions (below), the engine times, at every bucket and in both
+dtypes, the dots that dominate its programs:
 the layers' four matrices (qkv, o, gate/up, down) at each token count, run as the model runs them
 (a scan over stacked weights, streamed from memory), and the output layer at each row count. Each
 program then runs in the dtype that is clearly the faster (by 10% and a millisecond), on a second
@@ -12,9 +13,9 @@ copy of the weights where both are used: if that copy makes some decode batch at
 and fits in a quarter of the host's available memory; else every program runs in the loaded
 dtype. The smallest bucket is one row only where a one-row step is clearly the faster.
 
-Where the CPU has bfloat16 dot instructions the plan came out bfloat16 at every bucket from two
-rows (an AMD EPYC with AVX-512 BF16, three runs: float32 saved only the one-row output layer,
-not a quarter of any step), so the engine measures only on CPUs without them.
+Where the CPU has them, the plan came out bfloat16 at every bucket from two rows (an AMD EPYC
+with AVX-512 BF16, three runs: float32 saved only the one-row output layer, not a quarter of any
+step), so there the weights are bfloat16 and nothing is measured.
 
 The timings are kept in `$JAXSERVE_CACHE/dtype_plans.json`, keyed by everything they depend on
 (CPU, jax version, XLA flags, the model's matrix shapes, the buckets): measured once per machine

@@ -50,8 +50,8 @@ class RunnerConfig:
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
     num_logprobs: int = 5
     kv_dtype: str = "float32"
-    # ((kind, size), dtype) of programs whose weights are in another dtype than the model's, and
-    # the smallest bucket (None: 2 for a bfloat16 model on CPU, else 1); see `jaxserve.dtype_plan`
+    # ((kind, size), dtype): each program's weights (a program not named: the model's); and the
+    # smallest bucket (None: 2 for a bfloat16 model on CPU, else 1). See `jaxserve.dtype_plan`.
     program_dtypes: tuple[tuple[tuple[str, int], str], ...] = ()
     min_rows: int | None = None
     cache_dir: str | None = None  # compiled programs are saved and loaded here (None: not kept)
