@@ -25,6 +25,7 @@ and model (about 6 s for Gemma 3 270M on 2 cores), read on every later start.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -254,8 +255,15 @@ def _read(path: str) -> dict:
 
 
 def _write(path: str, plans: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Saves the timings (whole, or not at all); a folder that cannot be written costs a new
+    measurement at the next start, never this one."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(plans, f)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(plans, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("the dtype timings could not be saved to %s: %s", path, e)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)

@@ -118,6 +118,17 @@ def test_timings_are_measured_once_per_machine_and_model_and_damage_is_measured_
     assert plan_for(CFG, tokens, rows, F32, path, measure=measure) == first and len(calls) == 5
 
 
+def test_a_folder_that_cannot_be_written_costs_a_measurement_not_the_start(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a file where the folder should be
+    calls = []
+    measure = lambda *_: calls.append(1) or as_json(FORWARD, SAMPLE)  # noqa: E731
+    for _ in range(2):
+        plan = plan_for(CFG, list(FORWARD), list(SAMPLE), F32, str(blocker / "plans.json"), measure=measure)
+        assert plan == DtypePlan(F32, FORWARD, SAMPLE)
+    assert len(calls) == 2 and "could not be saved" in caplog.text
+
+
 def test_measure_dots_times_every_size_in_both_dtypes():
     timings = dtype_plan.measure_dots(CFG, [1, 2, 8], [1, 4], reps=1)
     assert set(timings["forward"]) == {"1", "2", "8"} and set(timings["sample"]) == {"1", "4"}
