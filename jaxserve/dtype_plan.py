@@ -152,9 +152,7 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
     most `MAX_TIMED_BYTES` of them, so that they stream from memory as a step's do, and fewer
     where a run would pass `MAX_TIMED_FLOPS` (the dots are compute-bound there); each time is
     then scaled to the whole model."""
-    d, k, h = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim
-    layer = [(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * k), (h, d), (d, 2 * cfg.intermediate_size),
-             (cfg.intermediate_size, d)]
+    d, layer = cfg.hidden_size, _layer_matrices(cfg)
     per_layer = sum(a * b for a, b in layer)
     most = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * per_layer)))
     vocab = min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d))
@@ -166,14 +164,14 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
         for dtype in DTYPES:
             stacked = [as_bits(jnp.zeros((most, *shape), dtype)) for shape in layer]
             head = jnp.zeros((vocab, d), dtype)
-            runs = []
+            runs = []  # (kind, rows, function, weights, the share of the model's weights they are)
             for t in timed:
                 n = max(1, min(most, int(MAX_TIMED_FLOPS // (2 * t * per_layer))))
-                runs.append(("forward", t, n, cfg.num_layers / n, _layers, [w[:n] for w in stacked]))
-            runs += [("sample", r, 1, cfg.vocab_size / vocab, dense_transposed, head) for r in row_sizes]
-            compiled = pool.map(lambda run: _compile(run[4], run[1], d, run[5]), runs)
-            for (kind, size, _, scale, _, weights), program in zip(runs, list(compiled)):
-                timings[kind].setdefault(str(size), {})[dtype] = _best_ms(program, weights, reps) * scale
+                runs.append(("forward", t, _layers, [w[:n] for w in stacked], n / cfg.num_layers))
+            runs += [("sample", r, dense_transposed, head, vocab / cfg.vocab_size) for r in row_sizes]
+            compiled = list(pool.map(lambda run: _compile(run[2], run[1], d, run[3]), runs))
+            for (kind, size, _, weights, share), program in zip(runs, compiled):
+                timings[kind].setdefault(str(size), {})[dtype] = _best_ms(program, weights, reps) / share
             del stacked, head, runs
     for t in sorted(set(token_sizes) - set(timed)):
         below, above = max(s for s in timed if s < t), min(s for s in timed if s > t)
@@ -209,10 +207,17 @@ def _best_ms(program, weights, reps: int) -> float:
     return best * 1e3
 
 
+def _layer_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The shapes of a layer's qkv, o, gate/up and down matrices."""
+    d, h = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    return [(d, h + 2 * cfg.num_kv_heads * cfg.head_dim), (h, d), (d, 2 * cfg.intermediate_size),
+            (cfg.intermediate_size, d)]
+
+
 def _weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    d, k, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * k + cfg.num_heads * k * d + 3 * d * i
-    matrices = cfg.num_layers * per_layer + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    """Bytes of the model's matrices in `dtype`: what a second copy of the weights costs."""
+    per_layer = sum(a * b for a, b in _layer_matrices(cfg))
+    matrices = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     return matrices * jnp.dtype(dtype).itemsize
 
 

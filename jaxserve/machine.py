@@ -19,18 +19,23 @@ import jax
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # /proc/cpuinfo names (x86 flags, Arm features)
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The first /proc/cpuinfo value under one of `keys` (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip().lower() in ("flags", "features"):
-                    return frozenset(value.split())
+                if key.strip().lower() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset((_cpuinfo("flags", "features") or "").split())
 
 
 def bf16_dot_instructions() -> list[str]:
@@ -80,12 +85,4 @@ def auto_weights_dtype() -> tuple[str, str]:
 @functools.cache
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (what `lscpu` prints), or the platform's processor."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip().lower() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return _cpuinfo("model name") or platform.processor()

@@ -95,7 +95,8 @@ class Runner:
             if mesh is not None:
                 raise ValueError("a second copy of the weights in another dtype is for one device only")
             self.states[str(other.embed[...].dtype)] = nnx.split(other)[1]
-        missing = {dtype for _, dtype in config.program_dtypes} - self.states.keys()
+        self._program_dtype = dict(config.program_dtypes)
+        missing = set(self._program_dtype.values()) - self.states.keys()
         if missing:
             raise ValueError(f"program_dtypes names {sorted(missing)}, but the weights are in {sorted(self.states)}")
         # On CPU the reference attention reads a bfloat16 pool kept as bits (see kv_pool).
@@ -107,7 +108,7 @@ class Runner:
         self.kv_groups = kv_groups(model.cfg)  # a block table per group and sequence
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
         # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there.
-        one_row_trap = jax.default_backend() == "cpu" and model.embed[...].dtype == jnp.bfloat16
+        one_row_trap = jax.default_backend() == "cpu" and self.dtype == "bfloat16"
         min_rows = config.min_rows or (2 if one_row_trap else 1)
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
@@ -139,7 +140,7 @@ class Runner:
 
     def _dispatch(self, batch: StepBatch, logprobs: bool) -> InFlight:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
-        _, pool, slot_tokens, *inputs = self.step_args(batch)
+        pool, slot_tokens, *inputs = self.step_args(batch)
         tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots, allowed = inputs
         forward = self._executable(("forward", tokens))
         self.kv_pool, hidden = forward(self.state_for(("forward", tokens)), pool, slot_tokens, tokens_in, token_slots,
@@ -162,19 +163,20 @@ class Runner:
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
     def step_args(self, batch: StepBatch) -> tuple:
-        """The step's arguments for `batch`: state, pool, slot tokens, then the batch's arrays."""
+        """The step's arguments for `batch` but the weights (`state_for`): pool, slot tokens, then
+        the batch's arrays."""
         inputs = (batch.tokens, batch.token_slots, batch.meta, batch.logits_indices, batch.sampling,
                   batch.sample_positions, batch.sample_slots)
         if self.mesh is not None:
             inputs = self._place(inputs)
         allowed = self._all_allowed(len(batch.sample_slots)) if batch.allowed is None else \
             self._place_rows(batch.allowed)
-        return (self.state, self.kv_pool, self.slot_tokens, *inputs, allowed)
+        return (self.kv_pool, self.slot_tokens, *inputs, allowed)
 
     def state_for(self, key: tuple):
         """The weights the program `key` runs on: the model's, or their copy in the dtype
         `config.program_dtypes` gives it."""
-        return self.states[dict(self.config.program_dtypes).get(key, self.dtype)]
+        return self.states[self._program_dtype.get(key, self.dtype)]
 
     def _all_allowed(self, rows: int) -> jax.Array:
         """The mask [rows, M] that allows every token, kept on the device per row bucket: a step
@@ -269,7 +271,7 @@ class Runner:
         kind, size = key
         batch = self.padding_batch(size, self.buckets.min_rows) if kind == "forward" else \
             self.padding_batch(self.buckets.token_sizes[0], size)
-        _, pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots, \
+        pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots, \
             allowed = self.step_args(batch)
         state = self.state_for(key)
         rows, width = self.replicas * size, self.replicas * self.buckets.max_rows

@@ -93,24 +93,27 @@ class LayerConstants:
 
     @classmethod
     def stacked(cls, cfg: ModelConfig) -> "LayerConstants":
-        sets = _layer_rope_sets(cfg)
+        _, layer_sets = _rope_sets(cfg)
         groups = kv_groups(cfg)
         return cls(index=np.array(groups.layer_slot, np.int32), group=np.array(groups.layer_group, np.int32),
                    window=np.array([NO_WINDOW if w is None else w for w in cfg.layer_windows], np.int32),
-                   rope=np.array([sorted(set(sets)).index(key) for key in sets], np.int32))
+                   rope=np.array(layer_sets, np.int32))
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     """The model's distinct sets of RoPE inverse frequencies [F, K/2] float32, indexed by
     `LayerConstants.rope`."""
     return np.stack([rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling if scaled else None)
-                     for theta, scaled in sorted(set(_layer_rope_sets(cfg)))]).astype(np.float32)
+                     for theta, scaled in _rope_sets(cfg)[0]]).astype(np.float32)
 
 
-def _layer_rope_sets(cfg: ModelConfig) -> list[tuple[float, bool]]:
-    """Each layer's (RoPE base, whether rope_scaling applies): sliding-window layers are unscaled."""
-    return [(theta, window is None and cfg.rope_scaling is not None)
-            for theta, window in zip(cfg.layer_rope_thetas, cfg.layer_windows)]
+def _rope_sets(cfg: ModelConfig) -> tuple[list[tuple[float, bool]], list[int]]:
+    """The model's distinct (RoPE base, whether rope_scaling applies) pairs, sorted, and each
+    layer's index among them: sliding-window layers are unscaled."""
+    per_layer = [(theta, window is None and cfg.rope_scaling is not None)
+                 for theta, window in zip(cfg.layer_rope_thetas, cfg.layer_windows)]
+    distinct = sorted(set(per_layer))
+    return distinct, [distinct.index(key) for key in per_layer]
 
 
 class MLP(nnx.Module):
