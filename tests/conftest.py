@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 
@@ -13,9 +15,14 @@ import pytest
 # (docs/testing.md). With both cores busy (two xdist workers), splitting a program's LLVM module
 # for parallel codegen only adds work: one piece costs about 12% less CPU. None of these changes
 # what the tests check (the same references, tolerances, tokens).
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                  "--xla_cpu_parallel_codegen_split_count=1")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+# XLA exits at the first jax call on a flag it does not know, before pytest can print why: jaxlib
+# 0.11 has no fusion-emitter switch (seen on a lent H200's jax 0.11.2), and the CPU flags are for
+# CPU runs only (no accelerator plugin installed).
+if importlib.metadata.version("jaxlib").startswith("0.10."):
+    TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
+if not any(importlib.util.find_spec(plugin) for plugin in ("jax_plugins", "libtpu")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 # pytest-xdist runs a worker per core already: OpenMP thread pools on top (torch's, for the Hugging
 # Face references, and OpenBLAS's) only spin against the other worker: one thread each (measured in
 # docs/testing.md).

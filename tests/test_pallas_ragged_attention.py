@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxserve.pallas_kernels.ragged_paged_attention import default_pages_per_block, ragged_paged_attention
 from jaxserve.pallas_kernels import ragged_reference
 from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
 from jaxserve.pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
@@ -225,6 +225,20 @@ def test_block_sizes_do_not_change_the_answer(kernel):
     outs = [run(kernel, args, tuning=t, sliding_window=20)
             for t in (dict(block_q=8, pages_per_block=2), dict(block_q=16, pages_per_block=4))]
     np.testing.assert_allclose(outs[0], outs[1], atol=2e-6)
+
+
+@pytest.mark.parametrize("page_size, head_dim, itemsize, shared_kib, pages", [
+    (16, 256, 4, 227, 2),  # Gemma 3 in float32 on an H200: 64 keys asked 288 KiB and failed to compile
+    (16, 256, 2, 227, 4),  # in bfloat16 the default 64 keys fit (144 KiB)
+    (16, 256, 2, 99, 2),  # but not on a 99 KiB GPU
+    (16, 256, 4, None, 4),  # no limit (interpret mode, TPU)
+    (16, 256, 4, 64, 1),  # never below one page
+    (64, 256, 4, 64, 1),
+    (8, 64, 4, 64, 4),  # 64 keys would ask 72 KiB
+])
+def test_gpu_key_block_fits_shared_memory(page_size, head_dim, itemsize, shared_kib, pages):
+    shared = None if shared_kib is None else shared_kib * 1024
+    assert default_pages_per_block(page_size, head_dim, itemsize, 32, 2, shared) == pages
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -61,6 +61,12 @@ MIN_DOT = 16  # Triton's smallest dot operand dimension
 ROWS_PER_BLOCK = 32  # default R: Q = 32 // G' tokens per program (more programs for decode)
 KEYS_PER_BLOCK = 64  # default L (at least one page)
 PROGRAMS = 512  # default kv splits aim for this many programs (a few per multiprocessor)
+# Shared memory one thread block may use, KiB, by CUDA compute capability (CUDA C++ Programming
+# Guide, technical specifications; Triton opts in to the maximum). Triton keeps `num_stages` copies
+# of each key block's K and V there: Gemma 3's head dim 256 in float32 asked 288 KiB at 64 keys per
+# block and failed to compile on an H200 (227). Unknown capabilities get the smallest figure.
+SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
+                     (9, 0): 227, (10, 0): 227, (12, 0): 99}
 
 # ----------------------------------------------------------------------------------------------
 # Kernel: one program per (query block, kv head)
@@ -220,7 +226,9 @@ def ragged_paged_attention(
     if block_q is None:
         block_q = max(1, ROWS_PER_BLOCK // group_p, MIN_DOT // group_p)
     if pages_per_block is None:
-        pages_per_block = max(1, KEYS_PER_BLOCK // page_size)
+        shared = None if interpret else shared_memory_bytes()
+        pages_per_block = default_pages_per_block(page_size, head_dim, k_pages.dtype.itemsize,
+                                                  block_q * group_p, num_stages, shared)
     check_tuning(name, block_q=block_q, pages_per_block=pages_per_block)
     if block_q * group_p < MIN_DOT or pages_per_block * page_size < MIN_DOT:
         raise ValueError(f"{name}: a program needs >= {MIN_DOT} rows (block_q {block_q} x padded "
@@ -308,6 +316,29 @@ def next_pow2(n: int) -> int:
 
 def resolve_scale(sm_scale, head_dim: int) -> float:
     return float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale)
+
+
+def default_pages_per_block(page_size: int, head_dim: int, itemsize: int, rows: int, num_stages: int,
+                            shared_bytes: int | None) -> int:
+    """Pages per key block: `KEYS_PER_BLOCK` keys (at least one page), halved while the block's
+    pipelined K and V with the program's q rows overflow `shared_bytes` (None: no limit)."""
+    pages = max(1, KEYS_PER_BLOCK // page_size)
+    def needed(pages):  # bytes, as Triton asked in the H200 failure above
+        return (2 * num_stages * pages * page_size + rows) * head_dim * itemsize
+    while shared_bytes is not None and pages > 1 and pages * page_size > MIN_DOT and needed(pages) > shared_bytes:
+        pages //= 2
+    return pages
+
+
+@functools.lru_cache(maxsize=1)
+def shared_memory_bytes() -> int | None:
+    """Shared memory per thread block on the default device when it is a CUDA GPU, else None."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return None
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    return SHARED_MEMORY_KIB.get((major, minor), min(SHARED_MEMORY_KIB.values())) * 1024
 
 
 def check_tuning(name: str, **values) -> None:
