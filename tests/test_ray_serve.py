@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine_core import EngineFactory  # noqa: E402
-from jaxserve.ray_serve import REPLICA_HEADER, build, local_ray_options, routing_key, start_serve  # noqa: E402
+from jaxserve.ray_serve import LEAN_SERVE_ENV, REPLICA_HEADER, build, local_ray_options, routing_key, start_serve  # noqa: E402
 from server_helpers import free_port  # noqa: E402
 
 PAGE = 8
@@ -32,7 +32,7 @@ def ray_url(checkpoints):
     ray.init(**local_ray_options(num_cpus=2))
     try:
         port = free_port()
-        start_serve("127.0.0.1", port)
+        start_serve("127.0.0.1", port, env=LEAN_SERVE_ENV)
         app = build(EngineFactory(checkpoints("llama"), config, warmup=False), replicas=2,
                     ray_actor_options={"num_cpus": 0})
         serve.run(app, name="jaxserve", route_prefix="/")
@@ -44,8 +44,9 @@ def ray_url(checkpoints):
 
 def test_routing_key():
     assert routing_key("/v1/completions", b'{"prompt": "abc"}') == ("abc", False)
-    assert routing_key("/v1/completions", b'{"prompt": [12, 34], "stream": true}') == ("12 34 ", True)
-    assert routing_key("/v1/completions", b'{"prompt": ["ab", [5]]}') == ("ab5 ", False)
+    assert routing_key("/v1/completions", b'{"prompt": [12, 34], "stream": true}') == ("\U0001000c\U00010022", True)
+    assert routing_key("/v1/completions", b'{"prompt": ["ab", [5, 262143]]}') == ("ab\U00010005\U0004ffff", False)
+    assert routing_key("/v1/completions", b'{"prompt": [3, -1, 1048576, "x", 2.0]}') == ("\U00010003" + "\ufffd" * 4, False)
     assert routing_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}, '
                                                b'{"role": "user", "content": [{"type": "text", "text": "yo"}]}]}') \
         == ("hiyo", False)
@@ -55,7 +56,6 @@ def test_routing_key():
 
 def test_shared_prefixes_land_on_the_replica_that_cached_them(ray_url):
     rng = random.Random(0)
-    # Ids of two digits each, so every prompt's routing key is as long as every other's.
     prefixes = [[rng.randrange(10, 100) for _ in range(PREFIX)] for _ in range(GROUPS)]
 
     async def complete(client, prompt):
