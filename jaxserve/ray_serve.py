@@ -261,6 +261,12 @@ class OpenAIIngress:
         return response
 
 
+# Ray starts its workers at niceness 15, below its own daemons. The engine replica, and the engine
+# process it starts, are the work being served: at 15 the engine lost its cores to everything else
+# on a busy 2-core host (docs/scale-out.md), so the replica keeps the default priority.
+ENGINE_REPLICA_ENV = {"RAY_worker_niceness": "0"}
+
+
 def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key: str | None = None,
           chat_template: str | None = None, default_max_tokens: int | None = None,
           ray_actor_options: dict | None = None,
@@ -274,9 +280,12 @@ def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key
                                                    request_router_kwargs=router_kwargs or {}),
                      "pow2": RequestRouterConfig(),
                      "round-robin": RequestRouterConfig(request_router_class=RoundRobinRouter)}[router]
+    actor_options = {"num_cpus": 1, **(ray_actor_options or {})}
+    runtime_env = dict(actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**ENGINE_REPLICA_ENV, **runtime_env.get("env_vars", {})}
     engine = EngineReplica.options(
         num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": 1, **(ray_actor_options or {})},
+        ray_actor_options={**actor_options, "runtime_env": runtime_env},
         request_router_config=router_config,
         health_check_period_s=10, health_check_timeout_s=30,
     ).bind(factory, {"api_key": api_key, "chat_template": chat_template, "default_max_tokens": default_max_tokens},

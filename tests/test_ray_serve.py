@@ -95,3 +95,19 @@ def test_same_routes_and_errors_through_the_proxy(ray_url):
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+def test_engine_replicas_and_their_engines_run_at_the_default_priority(ray_url):
+    """Ray starts workers at niceness 15; the engine replicas, and the engine processes they start,
+    keep 0 (ENGINE_REPLICA_ENV), while Ray's other workers stay at 15."""
+    import psutil
+    niceness = {}
+    for p in psutil.process_iter(["cmdline"]):
+        title = " ".join(p.info["cmdline"] or [])
+        if title.startswith("ray::ServeReplica:jaxserve:engine"):
+            niceness.setdefault("replica", []).append(p.nice())
+            niceness.setdefault("engine", []).extend(c.nice() for c in p.children(recursive=True)
+                                                     if "spawn_main" in " ".join(c.cmdline()))
+        elif title.startswith("ray::ServeReplica:jaxserve:ingress"):
+            niceness.setdefault("ingress", []).append(p.nice())
+    assert niceness == {"replica": [0, 0], "engine": [0, 0], "ingress": [15]}
