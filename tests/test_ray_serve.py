@@ -98,9 +98,11 @@ def test_same_routes_and_errors_through_the_proxy(ray_url):
 
 
 def test_engine_replicas_and_their_engines_run_at_the_default_priority(ray_url):
-    """Ray starts workers at niceness 15; the engine replicas, and the engine processes they start,
-    keep 0 (ENGINE_REPLICA_ENV), while Ray's other workers stay at 15."""
+    """Ray lowers its workers' priority (niceness 15); the engine replicas, and the engine processes
+    they start, keep the priority the cluster was started with (ENGINE_REPLICA_ENV), while Ray's
+    other workers stay lower."""
     import psutil
+    base = psutil.Process().nice()  # the local cluster's processes start at this test's niceness
     niceness = {}
     for p in psutil.process_iter(["cmdline"]):
         title = " ".join(p.info["cmdline"] or [])
@@ -110,4 +112,5 @@ def test_engine_replicas_and_their_engines_run_at_the_default_priority(ray_url):
                                                      if "spawn_main" in " ".join(c.cmdline()))
         elif title.startswith("ray::ServeReplica:jaxserve:ingress"):
             niceness.setdefault("ingress", []).append(p.nice())
-    assert niceness == {"replica": [0, 0], "engine": [0, 0], "ingress": [15]}
+    assert {k: v for k, v in niceness.items() if k != "ingress"} == {"replica": [base] * 2, "engine": [base] * 2}
+    assert len(niceness["ingress"]) == 1 and niceness["ingress"][0] > base
