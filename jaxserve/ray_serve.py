@@ -311,8 +311,9 @@ def build_app(args: dict[str, Any]):
 # Ray's background work on a local cluster that only serves: no idle workers started ahead, no Ray
 # metrics (the dashboard that shows them is off; jaxserve's /metrics is its own), Serve's control
 # loop every 0.5 s rather than 0.1 s, and its cached metrics exported every second rather than
-# every 0.1 s. Where the engine computes on the CPU, Ray's processes take those cycles from it
-# (docs/scale-out.md: with them, 1 replica served 0.896 of direct's throughput, against 0.800).
+# every 0.1 s (Serve's controller and proxy read these from the job's runtime env). Where the
+# engine computes on the CPU, Ray's processes take those cycles from it (docs/scale-out.md: with
+# them, 1 replica served 0.896 of direct's throughput in one interleaved run, against 0.800).
 LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
                       "enable_metrics_collection": False}
 LEAN_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
@@ -330,13 +331,12 @@ def local_ray_options(num_cpus: int | None = None) -> dict:
                 _system_config=LEAN_SYSTEM_CONFIG)
 
 
-def start_serve(host: str, port: int, env: dict[str, str] | None = None) -> None:
-    """Serve's controller and HTTP proxy on `host:port`, with `env` in the controller's environment.
-    The proxy gets 30 s, not Ray's 5, to say it is ready: replicas compiling their engines keep a
-    small machine's cores busy, and three missed 5 s checks made Serve kill the proxy before it ever
-    answered (seen on 2 cores)."""
+def start_serve(host: str, port: int) -> None:
+    """Serve's controller and HTTP proxy on `host:port`. The proxy gets 30 s, not Ray's 5, to say it
+    is ready: replicas compiling their engines keep a small machine's cores busy, and three missed
+    5 s checks made Serve kill the proxy before it ever answered (seen on 2 cores)."""
     serve.start(http_options={"host": host, "port": port}, controller_options={
-        "runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", **(env or {})}}})
+        "runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}}})
 
 
 def run(args, factory: EngineFactory) -> None:
@@ -353,7 +353,7 @@ def run(args, factory: EngineFactory) -> None:
     else:
         ray.init(**local_ray_options())
     try:
-        start_serve(args.host, args.port, env=None if joined else LEAN_SERVE_ENV)
+        start_serve(args.host, args.port)
         app = build(factory, args.replicas, router=args.router, api_key=args.api_key,
                     chat_template=args.chat_template, default_max_tokens=args.default_max_tokens,
                     ray_actor_options=options, restarts=args.engine_restarts)

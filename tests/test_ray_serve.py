@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine_core import EngineFactory  # noqa: E402
-from jaxserve.ray_serve import LEAN_SERVE_ENV, REPLICA_HEADER, build, local_ray_options, routing_key, start_serve  # noqa: E402
+from jaxserve.ray_serve import REPLICA_HEADER, build, local_ray_options, routing_key, start_serve  # noqa: E402
 from server_helpers import free_port  # noqa: E402
 
 PAGE = 8
@@ -32,7 +32,7 @@ def ray_url(checkpoints):
     ray.init(**local_ray_options(num_cpus=2))
     try:
         port = free_port()
-        start_serve("127.0.0.1", port, env=LEAN_SERVE_ENV)
+        start_serve("127.0.0.1", port)
         app = build(EngineFactory(checkpoints("llama"), config, warmup=False), replicas=2,
                     ray_actor_options={"num_cpus": 0})
         serve.run(app, name="jaxserve", route_prefix="/")

@@ -330,7 +330,7 @@ def default_pages_per_block(page_size: int, head_dim: int, itemsize: int, rows: 
     return pages
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def shared_memory_bytes() -> int | None:
     """Shared memory per thread block on the default device when it is a CUDA GPU, else None."""
     device = jax.devices()[0]
