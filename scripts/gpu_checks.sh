@@ -7,7 +7,8 @@
 #      kernel; `--kv-splits 1` runs ours without kv splits);
 #   4. decode tokens/s against batch size, and the batching benchmark, on random Gemma 3 270M;
 #   5. start-up: every step program compiled (bench_startup), and `jaxserve generate` cold (empty
-#      cache) and warm, on random Gemma 3 270M.
+#      cache) and warm, on random Gemma 3 270M;
+#   6. with RAY_BENCH=1, replicas behind Ray Serve against one engine (bench_replicas).
 # The engine's parts (5, then 4) run first: the kernel's figures are in docs/kernels.md already.
 # The tests run in one process (-n 0): xdist workers would each take most of the GPU memory.
 # Each part has its own time limit, so one slow part cannot take the others' time; together they
@@ -41,3 +42,11 @@ part bench_batching 100 $PYTHON scripts/bench_batching.py --model /tmp/gemma3-27
 part kernel_tests 70 $PYTHON -m pytest -q -p no:cacheprovider -n 0 tests/test_pallas_ragged_attention.py -k "gpu and not export"
 JAX_DEFAULT_MATMUL_PRECISION=highest part engine_parity 90 $PYTHON -m pytest -q -p no:cacheprovider -n 0 tests/test_token_budget.py
 if [ "${KERNEL_BENCH:-0}" = 1 ]; then part bench_kernels 60 $PYTHON scripts/bench_kernels.py --json "$LOGS/kernels.json"; fi
+# With RAY_BENCH=1 (needs jaxserve[ray]; about 6 more minutes): Ray Serve's overhead and prefix
+# affinity (docs/scale-out.md). A fifth of the GPU's memory per engine: two replicas share one GPU.
+if [ "${RAY_BENCH:-0}" = 1 ]; then
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
+    replicas="$PYTHON scripts/bench_replicas.py --model /tmp/gemma3-270m-random --engine-args=--kv-cache-mb=2048"
+    part bench_replicas_overhead 300 $replicas --configs direct,ray-1,direct,ray-1 --repeats 2 --json "$LOGS/overhead.json"
+    part bench_replicas_affinity 150 $replicas --configs direct,prefix,round-robin --port 8124 --json "$LOGS/affinity.json"
+fi
