@@ -1,10 +1,12 @@
 """Replicas behind Ray Serve (jaxserve/ray_serve.py): a local Ray cluster, 2 replicas of the tiny
 Llama, requests through Serve's HTTP proxy. Prompts that share a prefix must reach the replica that
-cached it (the `x-jaxserve-replica` header, and `cached_tokens` of the usage)."""
+cached it (the `x-jaxserve-replica` header, and `cached_tokens` of the usage); a replica killed
+under load loses nothing that was accepted."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -114,3 +116,77 @@ def test_engine_replicas_and_their_engines_run_at_the_default_priority(ray_url):
             niceness.setdefault("ingress", []).append(p.nice())
     assert {k: v for k, v in niceness.items() if k != "ingress"} == {"replica": [base] * 2, "engine": [base] * 2}
     assert len(niceness["ingress"]) == 1 and niceness["ingress"][0] > base
+
+
+def _engine_processes() -> list:
+    import psutil
+    return [c for p in psutil.process_iter(["cmdline"])
+            if " ".join(p.info["cmdline"] or []).startswith("ray::ServeReplica:jaxserve:engine")
+            for c in p.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+
+
+def test_a_replica_killed_under_load_loses_nothing(ray_url):
+    """Last in this module: it kills a replica. Streams in flight on the killed replica end with an
+    error event and [DONE]; the survivor's end whole; every request sent after the kill is served
+    by the survivor (or answered 503 in the OpenAI envelope while the router learns of the death);
+    the killed replica's engine process exits; and Serve starts a new replica that serves."""
+    import psutil
+    tokens, rng = 180, random.Random(1)
+
+    async def complete(client, prompt):
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        if r.status_code == 200:
+            return r.headers[REPLICA_HEADER]
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+        return None
+
+    async def stream(client, prompt, started: asyncio.Event, out: dict):
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+        out["events"] = []
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            out["replica"] = r.headers[REPLICA_HEADER]
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    out["events"].append(line[6:])
+                    started.set()
+
+    async def drill():
+        async with httpx.AsyncClient(base_url=ray_url, timeout=120) as client:
+            homes = {}  # replica -> a prompt it has cached: streams that extend it go there
+            for _ in range(8):
+                prompt = [rng.randrange(10, 100) for _ in range(PREFIX)]
+                homes.setdefault(await complete(client, prompt), prompt)
+                if len(homes) == 2:
+                    break
+            assert len(homes) == 2
+            engines = _engine_processes()
+            victim = next(iter(homes))
+            outs = [{} for _ in range(4)]
+            starts = [asyncio.Event() for _ in outs]
+            prompts = [home + [rng.randrange(10, 100) for _ in range(PAGE)] for home in homes.values() for _ in range(2)]
+            tasks = [asyncio.create_task(stream(client, p, s, o)) for p, s, o in zip(prompts, starts, outs)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts[:2])), 60)  # the victim's streams
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::jaxserve#engine#{victim}", namespace="serve"), no_restart=True)
+            await asyncio.gather(*tasks)
+            after = []
+            for _ in range(240):  # until a new replica serves, 0.5 s apart
+                after.append(await complete(client, [rng.randrange(10, 100) for _ in range(PAGE)]))
+                if after[-1] not in (None, victim, *homes):
+                    break
+                await asyncio.sleep(0.5)
+            return victim, homes, outs, engines, after
+
+    victim, homes, outs, engines, after = asyncio.run(drill())
+    assert [out["replica"] for out in outs] == [victim, victim, *[r for r in homes if r != victim] * 2]
+    for out in outs:
+        assert out["events"][-1] == "[DONE]", out
+        chunks = [json.loads(e) for e in out["events"][:-1]]
+        if out["replica"] == victim:  # cut short: an error event last
+            assert chunks[-1]["error"]["type"] == "server_error", out["events"][-3:]
+        else:  # whole: every token
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length", out["events"][-3:]
+    survivor = next(r for r in homes if r != victim)
+    assert victim not in after and survivor in after, after
+    assert after[-1] not in (None, victim, survivor), "Serve did not replace the killed replica in 120 s"
+    gone = psutil.wait_procs(engines, timeout=30)[0]  # the victim's engine process ended with it
+    assert len(gone) == 1 and len(_engine_processes()) == 2
