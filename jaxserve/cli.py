@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
                      help="with --replicas: how requests pick a replica: Ray Serve's PrefixCacheAffinityRouter "
                           "(default), Ray's power of two choices, or in turn")
     srv.add_argument("--ray-actor-options", default=None, metavar="JSON",
-                     help='with --replicas: Ray resources of each replica (default {"num_cpus": 1}; e.g. '
-                          '\'{"num_gpus": 1}\' or \'{"resources": {"TPU": 4}}\')')
+                     help='with --replicas: Ray resources of each replica (default {"num_cpus": 1}, and on a '
+                          'cluster with GPUs enough for all, the engine\'s: 1, or the --mesh size; e.g. '
+                          '\'{"num_gpus": 2}\' or \'{"resources": {"TPU": 4}}\')')
     srv.add_argument("--num-processes", type=int, default=None, metavar="N",
                      help="one engine over N processes (hosts) with jax.distributed: process 0 serves HTTP and "
                           "schedules, the others run its steps on their shards (default: JAX_NUM_PROCESSES, else 1)")

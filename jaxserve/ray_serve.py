@@ -23,11 +23,13 @@ import asyncio  # no `from __future__ import annotations`: Serve's ingress must 
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -267,6 +269,21 @@ class OpenAIIngress:
 ENGINE_REPLICA_ENV = {"RAY_worker_niceness": "0"}
 
 
+def with_gpus(actor_options: dict, replicas: int, cluster_gpus: float, devices_per_engine: int = 1) -> dict:
+    """Each replica's GPUs where its options name none. Ray hides no GPU from an actor that asks for
+    none, so every engine would start on the first GPU and take most of its memory (XLA reserves
+    75% of it); asking for the engine's devices gives each replica its own (CUDA_VISIBLE_DEVICES).
+    Where the cluster has too few for that, the options stay as given, with a warning."""
+    if "num_gpus" in actor_options or cluster_gpus <= 0:
+        return actor_options
+    if replicas * devices_per_engine > cluster_gpus:
+        log.warning("%d replicas of %d GPU(s) each do not fit the cluster's %g GPUs: they share them; give each "
+                    "engine its share of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION, --kv-cache-mb) or set "
+                    "num_gpus in --ray-actor-options", replicas, devices_per_engine, cluster_gpus)
+        return actor_options
+    return {**actor_options, "num_gpus": devices_per_engine}
+
+
 def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key: str | None = None,
           chat_template: str | None = None, default_max_tokens: int | None = None,
           ray_actor_options: dict | None = None,
@@ -281,6 +298,10 @@ def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key
                      "pow2": RequestRouterConfig(),
                      "round-robin": RequestRouterConfig(request_router_class=RoundRobinRouter)}[router]
     actor_options = {"num_cpus": 1, **(ray_actor_options or {})}
+    if ray.is_initialized():  # a cluster to build for (`jaxserve serve --replicas`, `serve run`)
+        mesh = factory.config.mesh if factory.config is not None else None
+        actor_options = with_gpus(actor_options, replicas, ray.cluster_resources().get("GPU", 0),
+                                  math.prod(mesh.values()) if mesh else 1)
     runtime_env = dict(actor_options.get("runtime_env") or {})
     runtime_env["env_vars"] = {**ENGINE_REPLICA_ENV, **runtime_env.get("env_vars", {})}
     engine = EngineReplica.options(
@@ -343,7 +364,6 @@ def run(args, factory: EngineFactory) -> None:
     """`jaxserve serve --replicas K`: joins the cluster RAY_ADDRESS names, or starts a local one;
     serves the OpenAI routes on --host/--port until SIGTERM or SIGINT, then deletes the application
     (and, on a local cluster, shuts Serve and the cluster down)."""
-    import ray
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     options = json.loads(args.ray_actor_options) if args.ray_actor_options else {}

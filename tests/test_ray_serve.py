@@ -20,7 +20,7 @@ from ray import serve  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine_core import EngineFactory  # noqa: E402
-from jaxserve.ray_serve import REPLICA_HEADER, build, local_ray_options, routing_key, start_serve  # noqa: E402
+from jaxserve.ray_serve import REPLICA_HEADER, build, local_ray_options, routing_key, start_serve, with_gpus  # noqa: E402
 from server_helpers import free_port  # noqa: E402
 
 PAGE = 8
@@ -31,7 +31,7 @@ GROUPS, PER_GROUP = 4, 4
 @pytest.fixture(scope="module")
 def ray_url(checkpoints):
     config = EngineConfig(dtype="float32", max_slots=8, page_size=PAGE, num_pages=256, max_model_len=256)
-    ray.init(**local_ray_options(num_cpus=2))
+    ray.init(**local_ray_options(num_cpus=2), num_gpus=2)  # GPUs in name only: jax here runs on the CPU
     try:
         port = free_port()
         start_serve("127.0.0.1", port)
@@ -42,6 +42,16 @@ def ray_url(checkpoints):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_replicas_ask_for_the_engines_gpus_where_the_cluster_has_enough():
+    assert with_gpus({"num_cpus": 1}, replicas=2, cluster_gpus=2) == {"num_cpus": 1, "num_gpus": 1}
+    assert with_gpus({}, replicas=2, cluster_gpus=8, devices_per_engine=4) == {"num_gpus": 4}
+    assert with_gpus({}, replicas=4, cluster_gpus=8) == {"num_gpus": 1}
+    assert with_gpus({"num_gpus": 0.5}, replicas=2, cluster_gpus=1) == {"num_gpus": 0.5}  # named: kept
+    assert with_gpus({}, replicas=2, cluster_gpus=1) == {}  # too few: they share, with a warning
+    assert with_gpus({}, replicas=2, cluster_gpus=4, devices_per_engine=4) == {}
+    assert with_gpus({"num_cpus": 0}, replicas=3, cluster_gpus=0) == {"num_cpus": 0}  # no GPUs
 
 
 def test_routing_key():
@@ -116,6 +126,12 @@ def test_engine_replicas_and_their_engines_run_at_the_default_priority(ray_url):
             niceness.setdefault("ingress", []).append(p.nice())
     assert {k: v for k, v in niceness.items() if k != "ingress"} == {"replica": [base] * 2, "engine": [base] * 2}
     assert len(niceness["ingress"]) == 1 and niceness["ingress"][0] > base
+
+
+def test_each_replica_engine_sees_its_own_gpu(ray_url):
+    """The test cluster has 2 GPUs in name, and the replicas' options name none: each replica asks
+    for one, and its engine process sees only that one (Ray sets CUDA_VISIBLE_DEVICES)."""
+    assert sorted(str(p.environ().get("CUDA_VISIBLE_DEVICES")) for p in _engine_processes()) == ["0", "1"]
 
 
 def _engine_processes() -> list:
