@@ -6,7 +6,7 @@ The public names load lazily, so `import jaxserve.batching` (pure Python) never 
 import importlib
 
 _EXPORTS = {
-    "Engine": "jaxserve.engine",
+    "Engine": "jaxserve.engine.llm_engine",
     "QueueFullError": "jaxserve.errors",
     "EngineConfig": "jaxserve.config",
     "SamplingParams": "jaxserve.batching.sampling_params",

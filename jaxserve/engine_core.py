@@ -76,7 +76,7 @@ class EngineFactory:
     def build(self, progress: Callable[[dict], None] = lambda state: None,
               built: Callable[[Any], None] = lambda engine: None):
         """The engine alone (in a group, every process builds it the same way)."""
-        from jaxserve.engine import Engine
+        from jaxserve.engine.llm_engine import Engine
         progress({"phase": "loading"})
         engine = Engine.from_pretrained(self.model, self.config)
         log.info("resolved:\n%s", engine.describe())

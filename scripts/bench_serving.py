@@ -257,7 +257,7 @@ def main(argv=None) -> None:
     _, args.engine_argv = own.parse_known_args(raw)  # the server gets exactly the engine options given here
     results = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "args": vars(args)}
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
     from jaxserve.host_memory import keep_freed_memory
     keep_freed_memory()  # as in the server's engine process
     engine = Engine.from_pretrained(args.model, engine_config_from_args(args))

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict
 
-import jaxserve.engine as engine_module
+import jaxserve.engine.llm_engine as engine_module
 
 
 class StepProfile:
