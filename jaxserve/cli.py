@@ -63,7 +63,7 @@ def serve(args: argparse.Namespace) -> None:
             raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     from jaxserve import multihost
     from jaxserve.engine_client import EngineClient
-    from jaxserve.engine_core import EngineFactory
+    from jaxserve.engine.core_process import EngineFactory
     group = multihost.group_from(args.num_processes, args.process_id, args.coordinator)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)

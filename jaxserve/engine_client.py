@@ -1,4 +1,4 @@
-"""The API process's handle on the engine core (jaxserve/engine_core.py), for asyncio handlers.
+"""The API process's handle on the engine core (jaxserve/engine/core_process.py), for asyncio handlers.
 
     handler ── submit(token ids, params) ──► commands socket ──► engine core (its own process)
     handler ◄── asyncio.Queue: one list of Deltas per step ◄── receiver thread ◄── outputs socket
@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from jaxserve import engine_core
+from jaxserve.engine import core_process
 from jaxserve.errors import EngineDeadError, QueueFullError
 from jaxserve.metrics import Metrics
 
@@ -64,7 +64,7 @@ class EngineClient:
 
     def __init__(self, metrics: Metrics | None = None):
         self.metrics = metrics or Metrics()
-        self.info: engine_core.EngineInfo | None = None
+        self.info: core_process.EngineInfo | None = None
         self.startup: dict = {"phase": "starting"}  # the engine's last start-up progress report
         self.error: str | None = None  # why the core died, if it did
         self._dir = tempfile.mkdtemp(prefix="jaxserve-")
@@ -100,7 +100,7 @@ class EngineClient:
     def spawn(cls, factory: Callable[[], Any], metrics: Metrics | None = None,
               timeout: float | None = None) -> "EngineClient":
         """Starts the engine core in a new process that builds its engine with `factory()`
-        (picklable, e.g. engine_core.EngineFactory); returns once the engine is ready."""
+        (picklable, e.g. core_process.EngineFactory); returns once the engine is ready."""
         client = cls.start_process(factory, metrics)
         client.wait_ready(timeout)
         return client
@@ -119,7 +119,7 @@ class EngineClient:
 
     def _launch(self) -> None:
         process = multiprocessing.get_context("spawn").Process(
-            target=engine_core.run_process, name="jaxserve-engine", daemon=True,
+            target=core_process.run_process, name="jaxserve-engine", daemon=True,
             args=(self._factory, *self._addrs, logging.getLogger().getEffectiveLevel(), os.getpid()))
         process.start()
         self._core_alive = process.is_alive
@@ -137,9 +137,9 @@ class EngineClient:
         client = cls(metrics)
 
         def run():
-            commands, outputs = engine_core.connect(client._context, *client._addrs)
+            commands, outputs = core_process.connect(client._context, *client._addrs)
             try:
-                engine_core.serve(engine, commands, outputs)
+                core_process.serve(engine, commands, outputs)
             finally:
                 commands.close(linger=0)
                 outputs.close(linger=1000)

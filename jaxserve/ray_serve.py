@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
-from jaxserve.engine_core import EngineFactory
+from jaxserve.engine.core_process import EngineFactory
 from jaxserve.protocol import error_body
 from jaxserve.server import DEFAULT_MAX_BODY_BYTES
 

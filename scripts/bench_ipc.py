@@ -5,7 +5,7 @@ messages of a busy server.
     pip install msgspec   # for this comparison only; jaxserve does not use it
     python scripts/bench_ipc.py --slots 32 --prompts 16 --prompt-len 256
 
-Messages, as `jaxserve/engine_core.py` and `engine_client.py` build them:
+Messages, as `jaxserve/engine/core_process.py` and `engine_client.py` build them:
 - a step's outputs: ("batch", replies, one tuple per running request with its new token id, the
   engine's stats), the message sent every step;
 - the same with logprobs (5 alternatives per token) for every request;

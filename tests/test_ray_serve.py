@@ -20,7 +20,7 @@ import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine_core import EngineFactory  # noqa: E402
+from jaxserve.engine.core_process import EngineFactory  # noqa: E402
 from jaxserve.ray_serve import (REPLICA_HEADER, build, local_ray_options, routing_key, start_serve,  # noqa: E402
                                 with_gpus)
 from server_helpers import free_port  # noqa: E402

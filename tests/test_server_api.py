@@ -198,7 +198,7 @@ def test_replicas_without_the_ray_extra_say_what_to_install():
 
 
 def test_only_ray_serve_imports_ray():
-    code = ("import sys, jaxserve, jaxserve.cli, jaxserve.server, jaxserve.engine_client, jaxserve.engine_core; "
+    code = ("import sys, jaxserve, jaxserve.cli, jaxserve.server, jaxserve.engine_client, jaxserve.engine.core_process; "
             "print('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() \
         == ["False"]
