@@ -25,7 +25,7 @@ from jaxserve.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
 from jaxserve.structured_requests import ToolCalls
-from jaxserve.output_text import OutputText
+from jaxserve.engine.output_processor import OutputText
 from jaxserve.tokenizer import DECODE_CONTEXT, texts_after
 
 

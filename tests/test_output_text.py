@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.output_text import OutputText
+from jaxserve.engine.output_processor import OutputText
 
 
 class Letters:

@@ -48,7 +48,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
-from jaxserve.output_text import OutputText
+from jaxserve.engine.output_processor import OutputText
 from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
