@@ -17,7 +17,7 @@ import pytest
 from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
 from jaxserve.batching.structured_outputs import closed_objects
 from jaxserve.sampling import SamplingBatch, sample
-from jaxserve.structured_output import GrammarMatchers
+from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.tokenizer import Tokenizer
 
 # 39 pages of 8 tokens: six requests of ~70 tokens preempt each other, one alone never is.

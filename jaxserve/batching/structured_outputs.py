@@ -3,7 +3,7 @@ regex, one of a list of strings, or a Lark or GBNF grammar; vLLM's `structured_o
 
 The spec is validated and compiled to an llguidance grammar when it is built (in the API process
 for HTTP requests), so a bad schema is refused before anything is queued; the engine turns the
-grammar into a token matcher (`jaxserve.structured_output`). Pure Python: no jax here.
+grammar into a token matcher (`jaxserve.engine.grammars`). Pure Python: no jax here.
 """
 
 from __future__ import annotations

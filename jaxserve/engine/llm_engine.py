@@ -53,7 +53,7 @@ from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.runner import Runner, RunnerConfig
 from jaxserve.sampling import SamplingBatch
 from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
-from jaxserve.structured_output import GrammarMatchers
+from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.sharding import canonical_sharding_for, kv_heads_per_memory, make_mesh
 from jaxserve.tokenizer import DECODE_CONTEXT, Tokenizer, decode_after
 
