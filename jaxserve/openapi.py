@@ -170,7 +170,7 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
-# ---- GET /v1/engine/state (built by jaxserve/engine_state.py) ----
+# ---- GET /v1/engine/state (built by jaxserve/engine/state.py) ----
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

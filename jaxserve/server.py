@@ -37,7 +37,7 @@ from jaxserve.chat_template import HEADER, ChatTemplates
 from jaxserve.completion_job import Job, Payload, param_of
 from jaxserve.engine_client import EngineClient, EngineDeadError
 from jaxserve.engine.core_process import EngineFactory
-from jaxserve.engine_state import engine_state
+from jaxserve.engine.state import engine_state
 from jaxserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
 from jaxserve.starting_app import StartingApp
 from jaxserve.structured_requests import constraint

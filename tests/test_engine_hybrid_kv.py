@@ -121,7 +121,7 @@ def test_preemption_gives_the_same_tokens(path, kind, hf_tokens):
 
 
 def test_stats_state_and_metrics_count_pages_per_group(engine):
-    from jaxserve.engine_state import engine_state
+    from jaxserve.engine.state import engine_state
     from jaxserve.metrics import Metrics
     from jaxserve.openapi import EngineState
     run = engine.with_strategy("paged", max_num_batched_tokens=16)

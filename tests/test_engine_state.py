@@ -1,4 +1,4 @@
-"""The engine's state snapshot (jaxserve/engine_state.py) and GET /v1/engine/state, on a tiny Llama:
+"""The engine's state snapshot (jaxserve/engine/state.py) and GET /v1/engine/state, on a tiny Llama:
 it agrees with Engine.stats() and with the requests actually running at every step, names every
 page's owner, holds no prompt or output text, answers 401 without the key; and /dashboard is
 served from the package's own files, with nothing fetched from elsewhere."""
@@ -21,7 +21,7 @@ from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.batching import BlockManager
 from jaxserve.dashboard import FILES
 from jaxserve.engine_client import EngineClient
-from jaxserve.engine_state import CACHED, FREE, SHARED, engine_state
+from jaxserve.engine.state import CACHED, FREE, SHARED, engine_state
 from jaxserve.openapi import EngineState
 from jaxserve.server import create_app
 from server_helpers import ServerThread, wait_idle
@@ -115,7 +115,7 @@ def test_history_since_a_step(engine):
 
 
 def test_a_large_pool_is_mapped_in_cells(monkeypatch):
-    from jaxserve import engine_state as module
+    from jaxserve.engine import state as module
     blocks = BlockManager(3 * module.MAX_CELLS + 1, 16)  # cells of 3 pages
     a, b = blocks.allocate(5), blocks.allocate(4000)  # pages 1-5 and 6-4005
     blocks.share(a[:2])
