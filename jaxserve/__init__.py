@@ -1,6 +1,6 @@
 """jaxserve: a JAX/XLA inference engine for decoder-only language models.
 
-The public names load lazily, so `import jaxserve.batching` (pure Python) never pulls in jax.
+The public names load lazily, so `import jaxserve.engine.batching` (pure Python) never pulls in jax.
 """
 
 import importlib
@@ -9,9 +9,9 @@ _EXPORTS = {
     "Engine": "jaxserve.engine.llm_engine",
     "QueueFullError": "jaxserve.errors",
     "EngineConfig": "jaxserve.config",
-    "SamplingParams": "jaxserve.batching.sampling_params",
-    "StructuredOutputs": "jaxserve.batching.structured_outputs",
-    "RequestOutput": "jaxserve.batching.request",
+    "SamplingParams": "jaxserve.engine.batching.sampling_params",
+    "StructuredOutputs": "jaxserve.engine.batching.structured_outputs",
+    "RequestOutput": "jaxserve.engine.batching.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -21,7 +21,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from jaxserve.batching import SamplingParams
+from jaxserve.engine.batching import SamplingParams
 from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
 from jaxserve.structured_requests import ToolCalls

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.policies import STRATEGIES
+from jaxserve.engine.batching.policies import STRATEGIES
 
 DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("auto", "pallas", "reference")  # "auto" and pallas_kernels.IMPLEMENTATIONS (jax-free here)

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from jaxserve.config import BACKENDS, DTYPES, EngineConfig
-from jaxserve.batching.policies import STRATEGIES
+from jaxserve.engine.batching.policies import STRATEGIES
 
 
 def _mesh(text: str) -> dict[str, int]:

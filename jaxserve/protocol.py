@@ -21,7 +21,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from jaxserve.batching.sampling_params import MAX_LOGPROBS
+from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 256  # prompts x n in one payload

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from jaxserve import dashboard, openapi
-from jaxserve.batching import SamplingParams
+from jaxserve.engine.batching import SamplingParams
 from jaxserve.chat_template import HEADER, ChatTemplates
 from jaxserve.completion_job import Job, Payload, param_of
 from jaxserve.engine_client import EngineClient, EngineDeadError

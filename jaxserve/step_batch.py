@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.batching.request import PENDING
+from jaxserve.engine.batching.request import PENDING
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.sampling import SamplingBatch
 

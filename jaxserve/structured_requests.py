@@ -17,7 +17,7 @@ import dataclasses
 import json
 import uuid
 
-from jaxserve.batching.structured_outputs import StructuredOutputs
+from jaxserve.engine.batching.structured_outputs import StructuredOutputs
 from jaxserve.protocol import ApiError
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}

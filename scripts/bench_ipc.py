@@ -21,7 +21,7 @@ import pickle
 import statistics
 import time
 
-from jaxserve.batching.sampling_params import SamplingParams
+from jaxserve.engine.batching.sampling_params import SamplingParams
 
 
 def step_message(slots: int, logprobs: bool) -> tuple:

@@ -16,7 +16,7 @@ import argparse
 
 import numpy as np
 
-from jaxserve.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
+from jaxserve.engine.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 

@@ -9,7 +9,7 @@ import dataclasses
 import time
 import types
 
-from jaxserve.batching import FinishReason, SamplingParams
+from jaxserve.engine.batching import FinishReason, SamplingParams
 from jaxserve.engine_client import EngineClient
 
 STEP_S = 0.1  # each stand-in step takes this long; the refill wait is half of it with async scheduling

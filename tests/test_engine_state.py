@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
-from jaxserve.batching import BlockManager
+from jaxserve.engine.batching import BlockManager
 from jaxserve.dashboard import FILES
 from jaxserve.engine_client import EngineClient
 from jaxserve.engine.state import CACHED, FREE, SHARED, engine_state

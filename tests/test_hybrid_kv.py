@@ -6,8 +6,8 @@ group's pages, and an idle pool is free plus cached pages in every group."""
 
 import numpy as np
 
-from jaxserve.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
-from jaxserve.batching.kv_cache_manager import KVCacheManager
+from jaxserve.engine.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
+from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 

@@ -6,8 +6,8 @@ cached == all, no reference left)."""
 import numpy as np
 import pytest
 
-from jaxserve.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
-from jaxserve.batching.page_hash import ROOT, hash_page
+from jaxserve.engine.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
+from jaxserve.engine.batching.page_hash import ROOT, hash_page
 
 P = 4  # page size
 

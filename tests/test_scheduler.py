@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxserve.batching import (BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy)
-from jaxserve.batching.request import PENDING
+from jaxserve.engine.batching import (BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy)
+from jaxserve.engine.batching.request import PENDING
 
 EOS = 0
 
@@ -291,7 +291,7 @@ def test_block_manager_ref_counts():
 
 
 def test_batching_does_not_import_jax():
-    code = "import sys, jaxserve.batching; assert 'jax' not in sys.modules, 'batching imported jax'"
+    code = "import sys, jaxserve.engine.batching; assert 'jax' not in sys.modules, 'batching imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

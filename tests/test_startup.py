@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
-from jaxserve.batching.policies import STRATEGIES
+from jaxserve.engine.batching.policies import STRATEGIES
 from jaxserve.executable_cache import ExecutableCache
 from jaxserve.model.loader import load_model
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
-from jaxserve.batching.structured_outputs import closed_objects
+from jaxserve.engine.batching.structured_outputs import closed_objects
 from jaxserve.sampling import SamplingBatch, sample
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.tokenizer import Tokenizer

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.batching.structured_outputs import StructuredOutputs, short_error
+from jaxserve.engine.batching.structured_outputs import StructuredOutputs, short_error
 
 
 _BUILDS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()  # tokenizer -> builds

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batching import (BlockManager, FinishReason, Request, RequestOutput, SamplingParams, Scheduler,
+from jaxserve.engine.batching import (BlockManager, FinishReason, Request, RequestOutput, SamplingParams, Scheduler,
                                SchedulerConfig, make_policy)
-from jaxserve.batching.kv_cache_manager import pages_per_sequence
-from jaxserve.batching.sampling_params import MAX_LOGPROBS
+from jaxserve.engine.batching.kv_cache_manager import pages_per_sequence
+from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
 from jaxserve.dtype_plan import DtypePlan, plan_for
 from jaxserve.errors import QueueFullError

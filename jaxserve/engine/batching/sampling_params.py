@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.structured_outputs import StructuredOutputs
+from jaxserve.engine.batching.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 5  # top alternatives the runner can return per token
 

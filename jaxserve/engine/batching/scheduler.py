@@ -39,11 +39,11 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.batching.block_manager import BlockManager, pages_for
-from jaxserve.batching.kv_cache_manager import KVCacheManager
-from jaxserve.batching.page_hash import ROOT, hash_page
-from jaxserve.batching.policies import Policy
-from jaxserve.batching.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.batching.block_manager import BlockManager, pages_for
+from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
+from jaxserve.engine.batching.page_hash import ROOT, hash_page
+from jaxserve.engine.batching.policies import Policy
+from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

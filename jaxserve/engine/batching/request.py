@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxserve.batching.sampling_params import SamplingParams
+from jaxserve.engine.batching.sampling_params import SamplingParams
 
 
 PENDING = -1  # stands for a sampled token that is still on the device

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxserve.batching.block_manager import BlockManager, pages_for
-from jaxserve.batching.request import Request
+from jaxserve.engine.batching.block_manager import BlockManager, pages_for
+from jaxserve.engine.batching.request import Request
 
 
 def first_in_window(window: int | None, position: int, page_size: int) -> int:

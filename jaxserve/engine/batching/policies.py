@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from jaxserve.batching.request import Request
+from jaxserve.engine.batching.request import Request
 
 STRATEGIES = ("none", "static", "dynamic", "continuous", "paged")
 
