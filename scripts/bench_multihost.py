@@ -54,7 +54,7 @@ def start(config: str, model: str, cache: str, log_dir: str) -> tuple[list[subpr
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     mesh = (("--mesh", mesh_text.replace("+", ",")) if mesh_text else
             () if processes * devices == 1 else ("--mesh", f"model={processes * devices}"))
-    base = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, *ENGINE, *mesh]
+    base = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", model, *ENGINE, *mesh]
     group = () if processes == 1 else ("--num-processes", str(processes), "--coordinator", f"127.0.0.1:{free_port()}")
     procs = []
     for i in range(processes):

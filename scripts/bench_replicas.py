@@ -1,4 +1,4 @@
-"""Replicas behind Ray Serve (jaxserve/ray_serve.py), measured against one engine.
+"""Replicas behind Ray Serve (jaxserve/entrypoints/ray_serve.py), measured against one engine.
 
 The workload: --groups groups of --per-group completions; every prompt of a group starts with the
 group's own --prefix random token ids and ends with --suffix ids of its own; each asks for
@@ -96,7 +96,7 @@ class Server:
         engine = ["--max-slots", str(args.max_slots), "--max-model-len", str(args.max_model_len),
                   *(["--num-pages", str(args.num_pages)] if args.num_pages else []), *args.engine_args]
         actor = ["--ray-actor-options", json.dumps({"num_cpus": 0})] if "--replicas" in extra else []
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port),
                                       *(["--model", model] if model else []), *engine, *extra, *actor],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + args.start_timeout

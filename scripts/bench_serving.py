@@ -47,7 +47,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
+from jaxserve.entrypoints.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
 from serve_process import free_port, wait_for_health  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -220,7 +220,7 @@ def run_http(url: str, warmup: list[str], prompts: list[str], args, warm: bool, 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *args.engine_argv]
+    command = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port), *args.engine_argv]
     proc = subprocess.Popen(command, stdout=open(args.server_log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -34,8 +34,8 @@ $PYTHON -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 part random_checkpoint 40 $PYTHON scripts/random_checkpoint.py /tmp/gemma3-270m-random
 export JAXSERVE_CACHE=/tmp/jaxserve-cache  # empty: the first engine compiles, the later ones load
 part startup_cold 60 $PYTHON scripts/bench_startup.py --warmup
-part generate_cold 60 $PYTHON -m jaxserve.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
-part generate_warm 30 $PYTHON -m jaxserve.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
+part generate_cold 60 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
+part generate_warm 30 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
 part bench_decode 120 $PYTHON scripts/bench_decode.py --model /tmp/gemma3-270m-random --batches 1,8,64,256 --context 1024 --reps 10
 part bench_batching 100 $PYTHON scripts/bench_batching.py --model /tmp/gemma3-270m-random --strategies none,paged \
     --num-requests 32 --max-slots 32 --peer hf --json "$LOGS/batching.json"

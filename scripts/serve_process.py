@@ -3,7 +3,7 @@ its two processes' PIDs, memory and file descriptors (read from /proc, Linux onl
 one streaming completion read event by event.
 
 The engine process is the API process's child started by multiprocessing's spawn (its command
-line holds `spawn_main`; jaxserve/engine_client.py), so it is found again after a restart.
+line holds `spawn_main`; jaxserve/entrypoints/engine_client.py), so it is found again after a restart.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class ServeProcess:
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port), *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(self.port), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.pid = self.proc.pid
 

@@ -64,7 +64,7 @@ class Serve:
         self.log = open(log_path, "w")
         env = dict(os.environ, **({"JAXSERVE_CACHE": cache_dir} if cache_dir else {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--port", str(self.port),
+            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", model, "--port", str(self.port),
              "--max-slots", "16", "--page-size", "8", "--num-pages", "512", "--max-model-len", str(MAX_MODEL_LEN),
              *args], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
         self.starting: list[dict] = []  # the 503 bodies /health answered while the engine started

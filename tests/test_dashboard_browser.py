@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from jaxserve import Engine, EngineConfig
-from jaxserve.engine_client import EngineClient
-from jaxserve.server import create_app
+from jaxserve.entrypoints.engine_client import EngineClient
+from jaxserve.entrypoints.api_server import create_app
 from server_helpers import ServerThread, wait_idle
 
 CHROMIUM = "/usr/bin/chromium"

@@ -10,7 +10,7 @@ import time
 import types
 
 from jaxserve.engine.batching import FinishReason, SamplingParams
-from jaxserve.engine_client import EngineClient
+from jaxserve.entrypoints.engine_client import EngineClient
 
 STEP_S = 0.1  # each stand-in step takes this long; the refill wait is half of it with async scheduling
 

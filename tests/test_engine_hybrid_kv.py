@@ -122,8 +122,8 @@ def test_preemption_gives_the_same_tokens(path, kind, hf_tokens):
 
 def test_stats_state_and_metrics_count_pages_per_group(engine):
     from jaxserve.engine.state import engine_state
-    from jaxserve.metrics import Metrics
-    from jaxserve.openapi import EngineState
+    from jaxserve.entrypoints.metrics import Metrics
+    from jaxserve.entrypoints.openapi import EngineState
     run = engine.with_strategy("paged", max_num_batched_tokens=16)
     request_id = run.add_request(hybrid_prompts()[2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     for _ in range(12):  # mid-prefill, past the window

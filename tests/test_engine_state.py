@@ -19,15 +19,15 @@ import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.engine.batching import BlockManager
-from jaxserve.dashboard import FILES
-from jaxserve.engine_client import EngineClient
+from jaxserve.entrypoints.dashboard import FILES
+from jaxserve.entrypoints.engine_client import EngineClient
 from jaxserve.engine.state import CACHED, FREE, SHARED, engine_state
-from jaxserve.openapi import EngineState
-from jaxserve.server import create_app
+from jaxserve.entrypoints.openapi import EngineState
+from jaxserve.entrypoints.api_server import create_app
 from server_helpers import ServerThread, wait_idle
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
-STATIC = os.path.join(ROOT, "jaxserve", "static")
+STATIC = os.path.join(ROOT, "jaxserve", "entrypoints", "static")
 SHARED_PREFIX = "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
 
 

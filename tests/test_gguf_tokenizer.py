@@ -154,7 +154,7 @@ def test_gemma_chat_prompt_starts_with_one_bos(ours, hf):
     """The built-in Gemma 3 template writes the BOS (chat prompts are encoded without special
     tokens): the prompt is Gemma's turn format, and its ids are what HF's tokenizer gives the
     same turns with its BOS."""
-    from jaxserve.chat_template import ChatTemplates
+    from jaxserve.entrypoints.chat_template import ChatTemplates
     from jaxserve.model.loader import GEMMA3_CHAT_TEMPLATE
     from jaxserve.tokenizer import Tokenizer
     tok = Tokenizer(ours, GEMMA3_CHAT_TEMPLATE)

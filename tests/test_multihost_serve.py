@@ -52,7 +52,7 @@ class Group:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE=cache,
                    XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}")
-        common = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, *ENGINE, "--num-processes", "2",
+        common = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", model, *ENGINE, "--num-processes", "2",
                   "--coordinator", coordinator]
         self.logs = [logs / "process0.log", logs / "process1.log"]
         files = [open(p, "w") for p in self.logs]
@@ -207,7 +207,7 @@ def test_each_end_of_the_channel_hears_the_other_die():
      "--replicas and --num-processes do not go together"),
 ])
 def test_bad_group_settings_get_a_clear_error(args, message):
-    code = f"from jaxserve.cli import main; main(['serve', *{args!r}])"
+    code = f"from jaxserve.entrypoints.cli import main; main(['serve', *{args!r}])"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]

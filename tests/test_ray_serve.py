@@ -1,4 +1,4 @@
-"""Replicas behind Ray Serve (jaxserve/ray_serve.py): a local Ray cluster, 2 replicas of the tiny
+"""Replicas behind Ray Serve (jaxserve/entrypoints/ray_serve.py): a local Ray cluster, 2 replicas of the tiny
 Llama, requests through Serve's HTTP proxy. Prompts that share a prefix must reach the replica that
 cached it (the `x-jaxserve-replica` header, and `cached_tokens` of the usage); a replica killed
 under load loses nothing that was accepted."""
@@ -14,14 +14,14 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray Serve is the jaxserve[ray] extra: pip install 'jaxserve[ray]'")
 pytest.importorskip("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router",
-                    reason="this Ray has no PrefixCacheAffinityRouter where jaxserve.ray_serve looks for it")
+                    reason="this Ray has no PrefixCacheAffinityRouter where jaxserve.entrypoints.ray_serve looks for it")
 
 import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.core_process import EngineFactory  # noqa: E402
-from jaxserve.ray_serve import (REPLICA_HEADER, build, local_ray_options, routing_key, start_serve,  # noqa: E402
+from jaxserve.entrypoints.ray_serve import (REPLICA_HEADER, build, local_ray_options, routing_key, start_serve,  # noqa: E402
                                 with_gpus)
 from server_helpers import free_port  # noqa: E402
 

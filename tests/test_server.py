@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
-from jaxserve.engine_client import EngineClient
-from jaxserve.server import create_app
+from jaxserve.entrypoints.engine_client import EngineClient
+from jaxserve.entrypoints.api_server import create_app
 from server_helpers import ServerThread, metrics, wait_idle
 
 MAX_BODY = 16 << 10

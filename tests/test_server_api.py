@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from jaxserve import Engine, EngineConfig
-from jaxserve.chat_template import ChatTemplates
-from jaxserve.engine_client import EngineClient
-from jaxserve.server import create_app
+from jaxserve.entrypoints.chat_template import ChatTemplates
+from jaxserve.entrypoints.engine_client import EngineClient
+from jaxserve.entrypoints.api_server import create_app
 from server_helpers import ServerThread, wait_idle
 
 CHAT = "/v1/chat/completions"
@@ -138,7 +138,7 @@ def test_chat_names_its_template(server, tmp_path, client):
 def test_a_model_without_a_template_chats_with_a_builtin_one_and_warns(client, caplog):
     tokenizer = client.info.tokenizer
     bare = type(tokenizer)(tokenizer._tok, None, tokenizer.bos_token, tokenizer.eos_token)
-    with caplog.at_level(logging.WARNING, logger="jaxserve.chat_template"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.entrypoints.chat_template"):
         templates = ChatTemplates(bare, None)
         text, source = templates.render(MESSAGES)
     assert source == "builtin:plain" and text == "user: the quick brown fox\nassistant:"
@@ -167,7 +167,7 @@ def test_openapi_describes_bodies_responses_and_errors(server):
 
 
 def test_engine_args_make_the_engine_config():
-    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+    from jaxserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--max-slots", "4", "--kv-cache-mb", "64", "--mesh", "data=2,model=1",
@@ -182,7 +182,7 @@ def test_engine_args_make_the_engine_config():
 
 
 def test_serve_without_the_server_extras_says_what_to_install():
-    code = "import sys; sys.modules['fastapi'] = None; from jaxserve.cli import main; main(['serve'])"
+    code = "import sys; sys.modules['fastapi'] = None; from jaxserve.entrypoints.cli import main; main(['serve'])"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 1
     assert run.stderr.strip() == ("error: serving needs the server extras (fastapi is missing): "
@@ -190,7 +190,7 @@ def test_serve_without_the_server_extras_says_what_to_install():
 
 
 def test_replicas_without_the_ray_extra_say_what_to_install():
-    code = "import sys; sys.modules['ray'] = None; from jaxserve.cli import main; main(['serve', '--replicas', '2'])"
+    code = "import sys; sys.modules['ray'] = None; from jaxserve.entrypoints.cli import main; main(['serve', '--replicas', '2'])"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 1
     assert run.stderr.strip() == ("error: --replicas runs engine replicas behind Ray Serve, which needs the ray "
@@ -198,7 +198,7 @@ def test_replicas_without_the_ray_extra_say_what_to_install():
 
 
 def test_only_ray_serve_imports_ray():
-    code = ("import sys, jaxserve, jaxserve.cli, jaxserve.server, jaxserve.engine_client, jaxserve.engine.core_process; "
+    code = ("import sys, jaxserve, jaxserve.entrypoints.cli, jaxserve.entrypoints.api_server, jaxserve.entrypoints.engine_client, jaxserve.engine.core_process; "
             "print('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() \
         == ["False"]
@@ -206,7 +206,7 @@ def test_only_ray_serve_imports_ray():
 
 def test_api_process_imports_neither_the_cli_nor_jax():
     """Imports point one way (cli -> server -> engine_args), and the API process never starts jax."""
-    code = "import sys, jaxserve.server; print('jaxserve.cli' in sys.modules, 'jax' in sys.modules)"
+    code = "import sys, jaxserve.entrypoints.api_server; print('jaxserve.entrypoints.cli' in sys.modules, 'jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -310,8 +310,8 @@ NOOP = {"type": "function", "function": {"name": "noop"}}
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from jaxserve.engine_client import EngineClient
-    from jaxserve.server import create_app
+    from jaxserve.entrypoints.engine_client import EngineClient
+    from jaxserve.entrypoints.api_server import create_app
     from server_helpers import ServerThread
     client = EngineClient.in_thread(engine)
     with ServerThread(create_app(client)) as s:

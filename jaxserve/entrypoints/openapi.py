@@ -17,7 +17,7 @@ from typing import Literal
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 
 Finish = Literal["stop", "length", "abort", "tool_calls"] | None
 

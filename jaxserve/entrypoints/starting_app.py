@@ -4,14 +4,14 @@ error envelope with a `startup` field, until the engine is ready; then every req
 real app.
 
     uvicorn ─► StartingApp ─► 503 {"error": ..., "startup": {"phase": "compiling", "done": 12, "total": 33}}
-                          └─► (once `app` is set) the FastAPI app of jaxserve.server
+                          └─► (once `app` is set) the FastAPI app of jaxserve.entrypoints.api_server
 """
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.protocol import error_body
+from jaxserve.entrypoints.protocol import error_body
 
 
 class StartingApp:

@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args, on_off
+from jaxserve.entrypoints.engine_args import add_engine_args, engine_config_from_args, on_off
 
 SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "prometheus_client", "jinja2")  # jaxserve[server]
 RAY_MODULES = ("ray",)  # jaxserve[ray], for --replicas
@@ -62,7 +62,7 @@ def serve(args: argparse.Namespace) -> None:
         if args.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     from jaxserve import multihost
-    from jaxserve.engine_client import EngineClient
+    from jaxserve.entrypoints.engine_client import EngineClient
     from jaxserve.engine.core_process import EngineFactory
     group = multihost.group_from(args.num_processes, args.process_id, args.coordinator)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> None:
             raise ValueError(f"a group of {group.num_processes} processes needs --mesh over every device of every "
                              "process, e.g. model=8 for 2 hosts of 4 devices")
     if args.replicas is not None:
-        from jaxserve import ray_serve
+        from jaxserve.entrypoints import ray_serve
         ray_serve.run(args, EngineFactory(args.model, config, warmup=args.warmup))
         return
     if group is not None and not group.is_leader:  # no HTTP here: run the leader's steps
@@ -88,7 +88,7 @@ def serve(args: argparse.Namespace) -> None:
     # imports the web stack on another core. A group's leader cannot be replaced alone.
     client = EngineClient.start_process(EngineFactory(args.model, config, warmup=args.warmup, group=group),
                                         restarts=args.engine_restarts, replaceable=group is None)
-    from jaxserve.server import run
+    from jaxserve.entrypoints.api_server import run
     run(args, client, start)
 
 

@@ -33,7 +33,7 @@ import zmq
 
 from jaxserve.engine import core_process
 from jaxserve.errors import EngineDeadError, QueueFullError
-from jaxserve.metrics import Metrics
+from jaxserve.entrypoints.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
         died), /metrics (Prometheus text),
         /openapi.json (request bodies, responses and errors as they are), /docs
     GET /v1/engine/state ─► EngineClient.call(engine_state): slots, queue, pages, recent steps (JSON)
-    GET /dashboard (jaxserve/dashboard.py): a page that polls /v1/engine/state and draws it
+    GET /dashboard (jaxserve/entrypoints/dashboard.py): a page that polls /v1/engine/state and draws it
 
 A client that disconnects aborts its requests, so their KV pages are freed at once. Every error
 is an OpenAI envelope `{"error": {"message", "type", "param", "code"}}`, and no request can take
@@ -31,16 +31,16 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from jaxserve import dashboard, openapi
+from jaxserve.entrypoints import dashboard, openapi
 from jaxserve.engine.batching import SamplingParams
-from jaxserve.chat_template import HEADER, ChatTemplates
-from jaxserve.completion_job import Job, Payload, param_of
-from jaxserve.engine_client import EngineClient, EngineDeadError
+from jaxserve.entrypoints.chat_template import HEADER, ChatTemplates
+from jaxserve.entrypoints.completion_job import Job, Payload, param_of
+from jaxserve.entrypoints.engine_client import EngineClient, EngineDeadError
 from jaxserve.engine.core_process import EngineFactory
 from jaxserve.engine.state import engine_state
-from jaxserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
-from jaxserve.starting_app import StartingApp
-from jaxserve.structured_requests import constraint
+from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe, error_body
+from jaxserve.entrypoints.starting_app import StartingApp
+from jaxserve.entrypoints.constraints import constraint
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +287,10 @@ def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | Non
 
 def run(args, client: EngineClient, start: float) -> None:
     """`jaxserve serve` over an engine process already started (`client`, at `start`): serves HTTP
-    until SIGTERM or SIGINT, then drains (jaxserve/shutdown.py) and stops the engine process."""
+    until SIGTERM or SIGINT, then drains (jaxserve/entrypoints/shutdown.py) and stops the engine process."""
     import uvicorn
 
-    from jaxserve.shutdown import AFTER_ABORT_S, DrainGate, DrainingServer
+    from jaxserve.entrypoints.shutdown import AFTER_ABORT_S, DrainGate, DrainingServer
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from jaxserve.engine.batching import SamplingParams
-from jaxserve.engine_client import EngineClient, EngineDeadError, QueueFullError
-from jaxserve.protocol import MAX_CHOICES, ApiError, error_body
-from jaxserve.structured_requests import ToolCalls
+from jaxserve.entrypoints.engine_client import EngineClient, EngineDeadError, QueueFullError
+from jaxserve.entrypoints.protocol import MAX_CHOICES, ApiError, error_body
+from jaxserve.entrypoints.constraints import ToolCalls
 from jaxserve.engine.output_processor import OutputText
 from jaxserve.tokenizer import DECODE_CONTEXT, texts_after
 

@@ -18,7 +18,7 @@ import json
 import uuid
 
 from jaxserve.engine.batching.structured_outputs import StructuredOutputs
-from jaxserve.protocol import ApiError
+from jaxserve.entrypoints.protocol import ApiError
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 

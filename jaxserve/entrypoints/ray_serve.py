@@ -4,7 +4,7 @@
               prompt (or chat messages) as the routing key, keeps the bytes as they came
           ─► DeploymentHandle ─► request router (PrefixCacheAffinityRouter: the replica whose
               prompts share the longest prefix with this one, while loads are balanced)
-          ─► Engine replica: jaxserve.server.create_app over its own EngineClient (engine process),
+          ─► Engine replica: jaxserve.entrypoints.api_server.create_app over its own EngineClient (engine process),
               run in-process as an ASGI app ─► status, headers, body (one call; a stream for stream: true)
 
 Why two deployments: Serve's proxy hands an HTTP ingress deployment only the ASGI scope (the body
@@ -38,8 +38,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
 from jaxserve.engine.core_process import EngineFactory
-from jaxserve.protocol import error_body
-from jaxserve.server import DEFAULT_MAX_BODY_BYTES
+from jaxserve.entrypoints.protocol import error_body
+from jaxserve.entrypoints.api_server import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ class EngineReplica:
     """One engine (its own process, as under `jaxserve serve`) and the jaxserve app over it."""
 
     def __init__(self, factory: EngineFactory, app_options: dict, restarts: int = 3):
-        from jaxserve.engine_client import EngineClient
-        from jaxserve.server import create_app
+        from jaxserve.entrypoints.engine_client import EngineClient
+        from jaxserve.entrypoints.api_server import create_app
         logging.basicConfig(level=logging.INFO)
         self.client = EngineClient.start_process(factory, restarts=restarts)
         self.client.wait_ready()

@@ -1,4 +1,4 @@
-"""The live dashboard: hand-written HTML, CSS and JS in jaxserve/static/, served by the API process.
+"""The live dashboard: hand-written HTML, CSS and JS in jaxserve/entrypoints/static/, served by the API process.
 
     GET /dashboard                   dashboard.html (told whether the server wants an API key)
     GET /dashboard/dashboard.js      polls GET /v1/engine/state 4 times a second; with its modules
@@ -19,7 +19,7 @@ import importlib.resources
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from jaxserve import openapi
+from jaxserve.entrypoints import openapi
 
 JS, CSS = "text/javascript; charset=utf-8", "text/css; charset=utf-8"
 # dashboard.js is the entry point; it imports the others as ES modules (no build step)
@@ -36,7 +36,7 @@ HEADERS = {
 
 def read(name: str) -> bytes:
     """One of the dashboard's files, from the installed package."""
-    return (importlib.resources.files("jaxserve") / "static" / name).read_bytes()
+    return (importlib.resources.files("jaxserve.entrypoints") / "static" / name).read_bytes()
 
 
 def add_routes(app: FastAPI, auth: bool) -> None:

@@ -20,7 +20,7 @@ import signal
 import uvicorn
 from fastapi.responses import JSONResponse
 
-from jaxserve.protocol import error_body
+from jaxserve.entrypoints.protocol import error_body
 
 log = logging.getLogger(__name__)
 
