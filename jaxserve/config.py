@@ -29,7 +29,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # accelerators: the share of device memory weights and KV may take
     max_model_len: int | None = None
-    dtype: str = "auto"  # weights; "auto": what fits the machine (`jaxserve.machine`)
+    dtype: str = "auto"  # weights; "auto": what fits the machine (`jaxserve.worker.machine`)
     kv_cache_dtype: str = "auto"  # the KV pool; "auto": the weights' dtype
     attention_backend: str = "auto"
     seed: int = 0
@@ -82,11 +82,11 @@ class EngineConfig:
     @property
     def weights_dtype(self) -> str:
         """The dtype the weights are loaded in: "auto" is bfloat16 on accelerators and on CPUs with
-        bfloat16 dot instructions, float32 elsewhere (`jaxserve.machine`), and on a CPU a bucket's
-        programs may run on a copy in the other dtype (`jaxserve.dtype_plan`); float32 gives exact
+        bfloat16 dot instructions, float32 elsewhere (`jaxserve.worker.machine`), and on a CPU a bucket's
+        programs may run on a copy in the other dtype (`jaxserve.worker.dtype_plan`); float32 gives exact
         parity with Hugging Face."""
         if self.dtype == "auto":
-            from jaxserve.machine import auto_weights_dtype
+            from jaxserve.worker.machine import auto_weights_dtype
             return auto_weights_dtype()[0]
         return self.dtype
 
@@ -94,7 +94,7 @@ class EngineConfig:
     def overlaps_steps(self) -> bool:
         """Whether steps overlap (async scheduling): as asked, else on accelerators only."""
         if self.async_scheduling is None:
-            from jaxserve.machine import auto_async_scheduling
+            from jaxserve.worker.machine import auto_async_scheduling
             return auto_async_scheduling()
         return self.async_scheduling
 

@@ -34,8 +34,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxserve.model.paged_attention import StepMetadata
-from jaxserve.sampling import SamplingBatch
-from jaxserve.step_batch import StepBatch
+from jaxserve.worker.sampling import SamplingBatch
+from jaxserve.worker.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 

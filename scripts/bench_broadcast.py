@@ -34,8 +34,8 @@ SLOTS, BUDGET, PAGE, CONTEXT = 32, 256, 16, 2048
 
 def batches() -> dict:
     """{name: StepBatch} of the default config's shapes."""
-    from jaxserve.sampling import SamplingBatch
-    from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
+    from jaxserve.worker.sampling import SamplingBatch
+    from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
     width = CONTEXT // PAGE
     tables = np.arange(SLOTS * width, dtype=np.int32).reshape(SLOTS, 1, width) % 4096
     sampling = SamplingBatch(np.zeros(SLOTS, np.float32), np.zeros(SLOTS, np.int32), np.ones(SLOTS, np.float32),

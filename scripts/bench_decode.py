@@ -35,15 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import Engine, EngineConfig, machine
+from jaxserve import Engine, EngineConfig
+from jaxserve.worker import machine
 from jaxserve.host_memory import keep_freed_memory
-from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.worker.kv_pool import allocate_kv_pool
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.sampling import SamplingBatch, sample
-from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
+from jaxserve.worker.sampling import SamplingBatch, sample
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
 
 
 def timed(fn, reps: int) -> float:
@@ -79,7 +80,7 @@ def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
 
 def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
     """One layer's decode attention, Gemma 3 270M shapes (4 query heads, 1 kv head, head dim 256)."""
-    from jaxserve.kv_pool import storage_dtype
+    from jaxserve.worker.kv_pool import storage_dtype
     from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
     print("\n| pool | batch | context | K/V bytes | ms | GB/s | at bandwidth ms | x of reading once |")
     print("|---|---|---|---|---|---|---|---|")
@@ -239,7 +240,7 @@ def main(argv=None) -> None:
     p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
     p.add_argument("--hide-bf16-flags", action="store_true",
                    help="dtype auto as on a CPU without bfloat16 dot instructions: loaded in float32, and each "
-                        "bucket's dtype measured (jaxserve.dtype_plan); the dots still run at this CPU's speeds")
+                        "bucket's dtype measured (jaxserve.worker.dtype_plan); the dots still run at this CPU's speeds")
     args = p.parse_args(argv)
     if not 0 <= args.spread < args.context:
         p.error(f"--spread must be in [0, --context), got {args.spread}")

@@ -26,7 +26,7 @@ from jaxserve.host_memory import keep_freed_memory
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.transformer import Transformer
 from jaxserve.model.weights import expected_shapes
-from jaxserve.runner import Runner, RunnerConfig
+from jaxserve.worker.runner import Runner, RunnerConfig
 
 # Gemma 3 270M (google/gemma-3-270m config.json); see scripts/random_checkpoint.py.
 PERIOD = (512,) * 5 + (None,)

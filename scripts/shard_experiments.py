@@ -35,10 +35,10 @@ from jaxserve import sharding  # noqa: E402
 from jaxserve.model.config import ModelConfig  # noqa: E402
 from jaxserve.model.transformer import Transformer  # noqa: E402
 from jaxserve.model.weights import expected_shapes  # noqa: E402
-from jaxserve.runner import Runner, RunnerConfig  # noqa: E402
-from jaxserve.sampling import SamplingBatch  # noqa: E402
+from jaxserve.worker.runner import Runner, RunnerConfig  # noqa: E402
+from jaxserve.worker.sampling import SamplingBatch  # noqa: E402
 from jaxserve.model.kv_groups import kv_groups  # noqa: E402
-from jaxserve.step_batch import ScheduledSeq, build_step  # noqa: E402
+from jaxserve.worker.step_batch import ScheduledSeq, build_step  # noqa: E402
 
 MESHES = "1x1,1x2,1x4,1x8,2x4,4x2,8x1"
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")

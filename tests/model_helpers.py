@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kv_pool import allocate_kv_pool
+from jaxserve.worker.kv_pool import allocate_kv_pool
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.sampling import SamplingBatch
-from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
+from jaxserve.worker.sampling import SamplingBatch
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
 
 PAGE = 8
 

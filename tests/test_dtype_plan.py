@@ -1,4 +1,4 @@
-"""The per-bucket weight dtype on CPU (`jaxserve.dtype_plan`): each program takes the dtype its
+"""The per-bucket weight dtype on CPU (`jaxserve.worker.dtype_plan`): each program takes the dtype its
 timings make clearly faster, the one-row bucket exists only where it is the faster step, the
 timings are measured once per machine and model and read back (never a damaged entry), and an
 engine whose plan mixes dtypes runs each program on weights of its dtype, with nothing compiled
@@ -10,8 +10,9 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import Engine, EngineConfig, SamplingParams, dtype_plan, machine
-from jaxserve.dtype_plan import DtypePlan, plan_for
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.worker import dtype_plan, machine
+from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.model.config import ModelConfig
 
 F32, BF16 = "float32", "bfloat16"

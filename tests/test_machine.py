@@ -3,7 +3,7 @@ instructions (docs/startup.md: without them XLA's bfloat16 dots ran slower than 
 
 import pytest
 
-from jaxserve import machine
+from jaxserve.worker import machine
 
 
 @pytest.mark.parametrize("flags,expected", [

@@ -149,8 +149,8 @@ def fields(obj) -> dict:
 
 def test_a_step_crosses_the_channel_whole():
     from jaxserve import step_channel
-    from jaxserve.sampling import SamplingBatch
-    from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
+    from jaxserve.worker.sampling import SamplingBatch
+    from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
     tables = np.arange(32, dtype=np.int32).reshape(4, 1, 8)
     sampling = SamplingBatch(np.full(4, 0.5, np.float32), np.arange(4, dtype=np.int32), np.ones(4, np.float32),
                              np.zeros(4, np.float32), np.arange(4, dtype=np.uint32))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampling import (SamplingBatch, _draw_filtered, _filter, _top_k_or_vocab, _window_cuts, argmax,
+from jaxserve.worker.sampling import (SamplingBatch, _draw_filtered, _filter, _top_k_or_vocab, _window_cuts, argmax,
                                categorical, row_uniforms, sample, token_logprobs)
 
 

@@ -144,7 +144,7 @@ def test_checkpoint_from_disk_with_the_default_config_under_every_mesh(checks, h
     """The same greedy tokens, and the default 1 GiB KV budget is the pool's bytes in this
     process's memory under every mesh (a replicated pool gets fewer pages), within one page."""
     from jaxserve import Engine, EngineConfig
-    from jaxserve.machine import CPU_KV_CACHE_BYTES
+    from jaxserve.worker.machine import CPU_KV_CACHE_BYTES
     expected = generate(Engine.from_pretrained(hf_llama, EngineConfig(dtype="float32")))
     got = run_check(checks, "from_disk", hf_llama, *MESHES)
     assert {shape: got[shape]["tokens"] for shape in MESHES} == {shape: expected for shape in MESHES}

@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.engine.batching.policies import STRATEGIES
-from jaxserve.executable_cache import ExecutableCache
+from jaxserve.worker.compile_cache import ExecutableCache
 from jaxserve.model.loader import load_model
 
 CONFIG = EngineConfig(max_slots=8, page_size=8, num_pages=96, max_model_len=64, max_num_batched_tokens=32,
@@ -92,7 +92,7 @@ def test_a_corrupt_or_truncated_entry_is_logged_and_recompiled(warm, llama_dir, 
         f.seek(100)
         f.write(b"\xff" * 16)  # flipped bytes: the checksum no longer matches
     engine = Engine.from_pretrained(llama_dir, CONFIG)
-    with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.worker.compile_cache"):
         engine.warmup()
     assert engine.runner.cache.rejected == 2
     assert sum("unusable" in r.message for r in caplog.records) == 2

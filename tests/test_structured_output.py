@@ -16,7 +16,7 @@ import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
 from jaxserve.engine.batching.structured_outputs import closed_objects
-from jaxserve.sampling import SamplingBatch, sample
+from jaxserve.worker.sampling import SamplingBatch, sample
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.tokenizer import Tokenizer
 

@@ -40,19 +40,19 @@ from jaxserve.engine.batching import (BlockManager, FinishReason, Request, Reque
 from jaxserve.engine.batching.kv_cache_manager import pages_per_sequence
 from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.config import EngineConfig
-from jaxserve.dtype_plan import DtypePlan, plan_for
+from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.errors import QueueFullError
-from jaxserve.kv_pool import pages_in_budget
-from jaxserve.machine import auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions
+from jaxserve.worker.kv_pool import pages_in_budget
+from jaxserve.worker.machine import auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.engine.output_processor import OutputText
 from jaxserve.pallas_kernels.backend import select_backend
-from jaxserve.runner import Runner, RunnerConfig
-from jaxserve.sampling import SamplingBatch
-from jaxserve.step_batch import ScheduledSeq, StepBuckets, build_step
+from jaxserve.worker.runner import Runner, RunnerConfig
+from jaxserve.worker.sampling import SamplingBatch
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.sharding import canonical_sharding_for, kv_heads_per_memory, make_mesh
 from jaxserve.tokenizer import DECODE_CONTEXT, Tokenizer, decode_after
@@ -134,7 +134,7 @@ class Engine:
                            ) -> tuple[Transformer, Transformer | None, DtypePlan | None, str]:
         """(the runner's model, its copy in another dtype or None, the plan or None, why): with
         dtype="auto" on one CPU without bfloat16 dot instructions, each program's dtype as measured
-        there (`jaxserve.dtype_plan`); else every program in the loaded dtype."""
+        there (`jaxserve.worker.dtype_plan`); else every program in the loaded dtype."""
         config = self.config
         if config.dtype != "auto":
             return model, None, None, "asked for"

@@ -67,7 +67,7 @@ def check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start,
                         sliding_window=None, soft_cap=None, *, name: str, bits: bool = False,
                         layer=None) -> None:
     """Shapes, dtypes and options of a ragged attention call; raises ValueError naming the input.
-    `bits`: the pool may also be uint16, holding bfloat16 bits (see `jaxserve.kv_pool`); with
+    `bits`: the pool may also be uint16, holding bfloat16 bits (see `jaxserve.worker.kv_pool`); with
     `layer`, the pool is the stacked [layers, ...] one."""
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got shape {q.shape}")

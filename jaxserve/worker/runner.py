@@ -30,14 +30,14 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.executable_cache import ExecutableCache
-from jaxserve.kv_pool import allocate_kv_pool, storage_dtype
+from jaxserve.worker.compile_cache import ExecutableCache
+from jaxserve.worker.kv_pool import allocate_kv_pool, storage_dtype
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.sampling import SamplingBatch, sample, token_logprobs
-from jaxserve.step_batch import StepBatch, StepBuckets
+from jaxserve.worker.sampling import SamplingBatch, sample, token_logprobs
+from jaxserve.worker.step_batch import StepBatch, StepBuckets
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +51,7 @@ class RunnerConfig:
     num_logprobs: int = 5
     kv_dtype: str = "float32"
     # ((kind, size), dtype): each program's weights (a program not named: the model's); and the
-    # smallest bucket (None: 2 for a bfloat16 model on CPU, else 1). See `jaxserve.dtype_plan`.
+    # smallest bucket (None: 2 for a bfloat16 model on CPU, else 1). See `jaxserve.worker.dtype_plan`.
     program_dtypes: tuple[tuple[tuple[str, int], str], ...] = ()
     min_rows: int | None = None
     cache_dir: str | None = None  # compiled programs are saved and loaded here (None: not kept)

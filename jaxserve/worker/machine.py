@@ -5,7 +5,7 @@ On GPUs and TPUs the weights are bfloat16 (float32 accumulation). On a CPU, XLA'
 fast only where the CPU has bfloat16 dot instructions (x86 `avx512_bf16` or `amx_bf16`, Arm
 `bf16`); without them a bfloat16 dot runs slower than a float32 one (measured on an AVX2-only AMD
 EPYC: the default bfloat16 decoded at 0.59x float32's speed at batch 1 and 0.88x at batch 64), so
-there the weights are loaded in float32; `jaxserve.dtype_plan` then measures, per step bucket,
+there the weights are loaded in float32; `jaxserve.worker.dtype_plan` then measures, per step bucket,
 whether a copy in the other dtype is the faster.
 """
 

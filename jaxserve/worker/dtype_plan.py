@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxserve.machine import cpu_flags, cpu_model
+from jaxserve.worker.machine import cpu_flags, cpu_model
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import dense, dense_transposed
 from jaxserve.model.transformer import as_bits, from_bits

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxserve.engine.batching.request import PENDING
 from jaxserve.model.paged_attention import StepMetadata
-from jaxserve.sampling import SamplingBatch
+from jaxserve.worker.sampling import SamplingBatch
 
 
 @dataclasses.dataclass(frozen=True)
