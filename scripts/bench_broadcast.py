@@ -1,5 +1,5 @@
 """What it costs to get one step's inputs from the leader of a multi-host group to a follower, two
-ways: jaxserve's ZMQ channel (jaxserve/step_channel.py) and jax's own
+ways: jaxserve's ZMQ channel (jaxserve/distributed/step_channel.py) and jax's own
 `multihost_utils.broadcast_one_to_all` (two collectives per step: the shapes, then the arrays).
 
     python scripts/bench_broadcast.py                     # starts both processes itself, on loopback
@@ -60,7 +60,7 @@ def run(process_id: int, port: int, steps: int, gap: float) -> dict:
     import jax
     from jax.experimental import multihost_utils
 
-    from jaxserve import step_channel
+    from jaxserve.distributed import step_channel
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)

@@ -148,7 +148,7 @@ def fields(obj) -> dict:
 
 
 def test_a_step_crosses_the_channel_whole():
-    from jaxserve import step_channel
+    from jaxserve.distributed import step_channel
     from jaxserve.worker.sampling import SamplingBatch
     from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
     tables = np.arange(32, dtype=np.int32).reshape(4, 1, 8)
@@ -166,7 +166,7 @@ def test_a_step_crosses_the_channel_whole():
 
 
 def test_each_end_of_the_channel_hears_the_other_die():
-    from jaxserve import step_channel
+    from jaxserve.distributed import step_channel
     for who_dies in ("follower", "leader"):
         deaths = {"leader": threading.Event(), "follower": threading.Event()}
         leader = step_channel.Leader(1, "127.0.0.1", lambda why: deaths["leader"].set())
@@ -215,7 +215,7 @@ def test_bad_group_settings_get_a_clear_error(args, message):
 
 
 def test_settings_from_the_environment():
-    from jaxserve.multihost import Group, group_from
+    from jaxserve.distributed.multihost import Group, group_from
     env = {"JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2", "JAX_COORDINATOR_ADDRESS": "leader:6379"}
     assert group_from(environ=env) == Group(3, 2, "leader:6379")
     assert group_from(process_id=1, environ=env) == Group(3, 1, "leader:6379")  # a flag wins

@@ -250,7 +250,7 @@ def check_replicated_kv() -> dict:
 
 def check_bad_meshes() -> dict:
     from jaxserve import Engine
-    from jaxserve.sharding import make_mesh
+    from jaxserve.distributed.sharding import make_mesh
     cfg = tiny_config()
     for mesh, match in [({"data": 2, "tensor": 4}, "unknown mesh axis"), ({"data": 4, "model": 4}, "needs 16 devices"),
                         ({"data": 3}, "max_slots")]:
@@ -274,7 +274,7 @@ def check_orbax(tmp: str) -> dict:
     import jax
     from jaxserve import Engine
     from jaxserve.model.checkpoint import restore_checkpoint, save_checkpoint
-    from jaxserve.sharding import canonical_sharding_for, make_mesh
+    from jaxserve.distributed.sharding import canonical_sharding_for, make_mesh
     cfg = tiny_config()
     weights = tiny_weights(cfg)
     first, second = os.path.join(tmp, "first"), os.path.join(tmp, "second")

@@ -68,7 +68,7 @@ class EngineFactory:
         `fatal(why)` ends the process when the group cannot go on (from any thread)."""
         if self.group is None:
             return self.build(progress, built)
-        from jaxserve import multihost
+        from jaxserve.distributed import multihost
         progress({"phase": f"joining a group of {self.group.num_processes} processes"})
         engine, _ = multihost.start(self.group, lambda: self.build(progress, built), fatal or _exit)
         return engine

@@ -54,7 +54,7 @@ from jaxserve.worker.runner import Runner, RunnerConfig
 from jaxserve.worker.sampling import SamplingBatch
 from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
 from jaxserve.engine.grammars import GrammarMatchers
-from jaxserve.sharding import canonical_sharding_for, kv_heads_per_memory, make_mesh
+from jaxserve.distributed.sharding import canonical_sharding_for, kv_heads_per_memory, make_mesh
 from jaxserve.tokenizer import DECODE_CONTEXT, Tokenizer, decode_after
 
 log = logging.getLogger(__name__)

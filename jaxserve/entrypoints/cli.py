@@ -61,7 +61,7 @@ def serve(args: argparse.Namespace) -> None:
                              f"({', '.join(missing)} is missing): pip install 'jaxserve[ray]'")
         if args.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    from jaxserve import multihost
+    from jaxserve.distributed import multihost
     from jaxserve.entrypoints.engine_client import EngineClient
     from jaxserve.engine.core_process import EngineFactory
     group = multihost.group_from(args.num_processes, args.process_id, args.coordinator)

@@ -27,7 +27,7 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype, kv_heads: int | None = N
 
 def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype, kv_heads: int | None = None) -> int:
     """How many pages (the null page included) fit in a byte budget that holds `kv_heads` heads of
-    each page (all of them by default; see `jaxserve.sharding.kv_heads_per_memory`)."""
+    each page (all of them by default; see `jaxserve.distributed.sharding.kv_heads_per_memory`)."""
     return kv_cache_bytes // page_bytes(cfg, page_size, dtype, kv_heads)
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve import sharding
+from jaxserve.distributed import sharding
 from jaxserve.worker.compile_cache import ExecutableCache
 from jaxserve.worker.kv_pool import allocate_kv_pool, storage_dtype
 from jaxserve.model.kv_groups import kv_groups
@@ -73,7 +73,7 @@ class StepOutput:
 
 class Runner:
     def __init__(self, model: Transformer, config: RunnerConfig, mesh=None, other: Transformer | None = None):
-        """`mesh` (from `jaxserve.sharding.make_mesh`): lay params, KV pool and step inputs out on it.
+        """`mesh` (from `jaxserve.distributed.sharding.make_mesh`): lay params, KV pool and step inputs out on it.
         `other`: the same model in another dtype, for the programs `config.program_dtypes` puts in it."""
         self.config = config
         self.model_config = model.cfg
