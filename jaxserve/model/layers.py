@@ -16,8 +16,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.kv_groups import kv_groups
-from jaxserve.model.paged_attention import Attend, StepMetadata, for_group, write_kv
-from jaxserve.pallas_kernels.ragged_reference import NO_WINDOW
+from jaxserve.model.paged_attention import NO_WINDOW, Attend, StepMetadata, for_group, write_kv
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -48,6 +48,11 @@ def for_group(meta: StepMetadata, group) -> StepMetadata:
     return dataclasses.replace(meta, slot_mapping=pick(meta.slot_mapping), block_tables=pick(meta.block_tables))
 
 
+# A global layer's sliding window: longer than any sequence, so it hides no key. A kernel needs no
+# sentinel of its own: any window at least the sequence's length sees every key.
+NO_WINDOW = 1 << 30
+
+
 class Attend(Protocol):
     def __call__(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, meta: StepMetadata,
                  *, sm_scale: float, sliding_window: jax.Array, soft_cap: float | None) -> jax.Array:
