@@ -53,6 +53,24 @@ def test_health_reports_the_start_up_until_the_engine_is_ready(serve):
     assert metrics(serve)["jaxserve_num_compiles_total"] == compiling[-1]["total"]
 
 
+
+def _loads_jax(pid: int) -> bool:
+    """Whether a process has jaxlib's native code mapped, which `import jax` always does."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "jaxlib" in f.read()
+
+
+def test_the_api_process_never_loads_jax_while_it_serves(serve):
+    """After real requests of each kind (completions, streamed, chat, /v1/engine/state and the
+    dashboard's files), jax lives in the engine process only."""
+    assert httpx.post(serve.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code == 200
+    for path in ("/v1/engine/state", "/dashboard", "/metrics", "/v1/models"):
+        assert httpx.get(serve.url + path, timeout=30).status_code == 200, path
+    assert _loads_jax(serve.engine_process().pid)
+    assert not _loads_jax(serve.proc.pid)
+
+
 def offline_env(**extra) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "NO_COLOR": "1", **extra}

@@ -92,7 +92,8 @@ def serve(args: argparse.Namespace) -> None:
     run(args, client, start)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxserve` command line: `generate` and `serve`, each with the engine's options."""
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text for one or more prompts")
@@ -144,7 +145,11 @@ def main(argv: list[str] | None = None) -> None:
                      help="with --num-processes: process 0's address as every process reaches it, and a free port "
                           "(default: JAX_COORDINATOR_ADDRESS)")
     srv.set_defaults(func=serve)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -32,7 +32,6 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.engine.batching.request import PENDING
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.worker.sampling import SamplingBatch
 
@@ -43,7 +42,7 @@ class ScheduledSeq:
 
     slot: int  # its row in the slot table (block table, sampling parameters)
     start: int  # position of its first token this step: the tokens already in the pool
-    token_ids: Sequence[int]  # PENDING for the token its last step sampled, still on the device
+    token_ids: Sequence[int]  # a negative id: the token its last step sampled, still on the device
     samples: bool = True  # whether its last token here is its last uncomputed one
 
 
@@ -174,7 +173,7 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         rows[group] = r0 + np.arange(n)
     meta = StepMetadata(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=tables,
                         query_start=query_start, num_seqs=num_seqs)
-    on_device = tokens == PENDING
+    on_device = tokens < 0
     return StepBatch(np.where(on_device, 0, tokens), np.where(on_device, slot_of_token, -1).astype(np.int32), meta,
                      logits_indices, _sampling_rows(sampling, slots, real), sample_positions, sample_slots, rows,
                      num_tokens=sum(len(seq.token_ids) for seq in seqs))
