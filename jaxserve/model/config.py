@@ -112,27 +112,20 @@ class ModelConfig:
         if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"model_type {model_type!r} is not supported "
                              "(supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text)")
-        hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hidden // heads
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         # Mistral: one window for every layer. (Hugging Face's Llama ignores a `sliding_window` key.)
         window = hf.get("sliding_window") if model_type == "mistral" else None
         if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
             raise ValueError("Qwen sliding-window attention (use_sliding_window=true) is not supported")
         layers = hf["num_hidden_layers"]
         return cls(
+            **_shapes(hf),
             family="llama",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(hf, 10000.0),
-            rope_scaling=_rope_scaling(hf),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
@@ -153,26 +146,19 @@ def _gemma3_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     ]
     global_theta = _rope_theta(hf, 1_000_000.0)
     local_theta = float(hf.get("rope_local_base_freq", 10000.0))
-    hidden = hf["hidden_size"]
     return ModelConfig(
+        **_shapes(hf),
         family="gemma3",
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=hf["intermediate_size"],
-        num_layers=layers,
-        num_heads=hf["num_attention_heads"],
         num_kv_heads=hf["num_key_value_heads"],
         head_dim=hf.get("head_dim", 256),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=global_theta,
-        rope_scaling=_rope_scaling(hf),
         tie_embeddings=True,
         qk_norm=True,
         activation=_activation(hf.get("hidden_activation", "gelu_pytorch_tanh")),
         layer_windows=tuple(window if t == "sliding_attention" else None for t in layer_types),
         layer_rope_thetas=tuple(local_theta if t == "sliding_attention" else global_theta for t in layer_types),
-        embed_scale=math.sqrt(hidden),
+        embed_scale=math.sqrt(hf["hidden_size"]),
         sandwich_norms=True,
         query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
         final_logit_softcap=hf.get("final_logit_softcapping"),
@@ -195,6 +181,13 @@ def _gemma2_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
                             "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
                             "max_position_embeddings": hf.get("max_position_embeddings", 8192)})
     return base.replace(family="gemma2", qk_norm=False)
+
+
+def _shapes(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields every family reads from config.json under the same names."""
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_scaling=_rope_scaling(hf))
 
 
 def _rope_theta(hf: Mapping[str, Any], default: float) -> float:

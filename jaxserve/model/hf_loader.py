@@ -16,18 +16,10 @@ from jaxserve.model.weights import check_weights
 
 _LAYER_NAMES = {  # Hugging Face name within a layer -> (canonical name, is a matrix)
     "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("q_proj", True),
-    "self_attn.k_proj.weight": ("k_proj", True),
-    "self_attn.v_proj.weight": ("v_proj", True),
-    "self_attn.o_proj.weight": ("o_proj", True),
-    "self_attn.q_proj.bias": ("q_bias", False),
-    "self_attn.k_proj.bias": ("k_bias", False),
-    "self_attn.v_proj.bias": ("v_bias", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "mlp.gate_proj.weight": ("gate_proj", True),
-    "mlp.up_proj.weight": ("up_proj", True),
-    "mlp.down_proj.weight": ("down_proj", True),
+    **{f"self_attn.{p}_proj.weight": (f"{p}_proj", True) for p in "qkvo"},
+    **{f"self_attn.{p}_proj.bias": (f"{p}_bias", False) for p in "qkv"},
+    **{f"self_attn.{p}_norm.weight": (f"{p}_norm", False) for p in "qk"},
+    **{f"mlp.{p}_proj.weight": (f"{p}_proj", True) for p in ("gate", "up", "down")},
 }
 _LLAMA_NORMS = {"post_attention_layernorm.weight": "mlp_norm"}
 _GEMMA_NORMS = {
