@@ -265,13 +265,14 @@ def _uniform(value, what: str, path: str):
     return values[0]
 
 
-def _rope_scaling(meta: dict, arch: str) -> RopeScaling | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
+def _rope_scaling(g) -> RopeScaling | None:
+    """`g(key, default)`: the architecture's metadata value."""
+    kind = g("rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind != "linear":
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, llama3)")
-    return RopeScaling(kind="linear", factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)))
+    return RopeScaling(kind="linear", factor=float(g("rope.scaling.factor", 1.0)))
 
 
 def _llama3_factors(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
@@ -286,8 +287,7 @@ def _llama3_factors(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
     return np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, s.factor, mid))
 
 
-def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float, meta: dict, arch: str,
-                            path: str) -> RopeScaling | None:
+def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float, g, path: str) -> RopeScaling | None:
     """llama.cpp stores Llama 3.1-style RoPE scaling only as the `rope_freqs` tensor; recover the
     Hugging Face parameters by matching it against the standard ones."""
     freqs = np.asarray(freqs, np.float64).reshape(-1)
@@ -296,7 +296,7 @@ def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float, meta
     if np.allclose(freqs, 1.0):
         return None
     factor = float(freqs.max())
-    originals = {int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192)), 8192}
+    originals = {int(g("rope.scaling.original_context_length", 8192)), 8192}
     for orig in sorted(originals):
         for low, high in ((1.0, 4.0),):
             cand = RopeScaling(kind="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
@@ -351,43 +351,52 @@ def config_from_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]], 
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
 
-    if arch == "gemma3":
-        theta = float(g("rope.freq_base", 1_000_000.0))
-        window = int(g("attention.sliding_window", 4096))
-        pattern = g("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
-        if np.ndim(pattern):  # newer files: one bool per layer, true = sliding
-            sliding = [bool(p) for p in pattern]
-        else:
-            sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
-        if len(sliding) != layers:
-            raise ValueError(f"{path}: sliding_window_pattern has {len(sliding)} entries for {layers} layers")
-        # llama.cpp: the 27B model (62 layers) scales queries by hidden/heads, the others by head_dim.
-        query_pre_attn_scalar = hidden // heads if layers == 62 else head_dim
-        return ModelConfig(
-            family="gemma3",
-            max_position_embeddings=int(g("context_length", 32768)),
-            rope_theta=theta,
-            rope_scaling=_rope_scaling(meta, arch),
-            tie_embeddings=True,
-            qk_norm=True,
-            activation="gelu_tanh",
-            layer_windows=tuple(window if s else None for s in sliding),
-            layer_rope_thetas=tuple(_GEMMA3_LOCAL_ROPE_THETA if s else theta for s in sliding),
-            embed_scale=math.sqrt(hidden),
-            sandwich_norms=True,
-            query_scale=query_pre_attn_scalar ** -0.5,
-            final_logit_softcap=g("final_logit_softcapping"),
-            attn_logit_softcap=g("attn_logit_softcapping"),
-            **common,
-        )
+    family = _gemma3_config if arch == "gemma3" else _llama_config
+    return family(g, common, tensor_shapes, path, rope_freqs)
 
-    # llama
+
+def _gemma3_config(g, common: dict, tensor_shapes: dict, path: str, rope_freqs) -> ModelConfig:
+    """Gemma 3: sliding and global layers by the pattern, each with its RoPE base."""
+    layers, hidden, heads, head_dim = (common[k] for k in ("num_layers", "hidden_size", "num_heads", "head_dim"))
+    theta = float(g("rope.freq_base", 1_000_000.0))
+    window = int(g("attention.sliding_window", 4096))
+    pattern = g("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    if np.ndim(pattern):  # newer files: one bool per layer, true = sliding
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise ValueError(f"{path}: sliding_window_pattern has {len(sliding)} entries for {layers} layers")
+    # llama.cpp: the 27B model (62 layers) scales queries by hidden/heads, the others by head_dim.
+    query_pre_attn_scalar = hidden // heads if layers == 62 else head_dim
+    return ModelConfig(
+        family="gemma3",
+        max_position_embeddings=int(g("context_length", 32768)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(g),
+        tie_embeddings=True,
+        qk_norm=True,
+        activation="gelu_tanh",
+        layer_windows=tuple(window if s else None for s in sliding),
+        layer_rope_thetas=tuple(_GEMMA3_LOCAL_ROPE_THETA if s else theta for s in sliding),
+        embed_scale=math.sqrt(hidden),
+        sandwich_norms=True,
+        query_scale=query_pre_attn_scalar ** -0.5,
+        final_logit_softcap=g("final_logit_softcapping"),
+        attn_logit_softcap=g("attn_logit_softcapping"),
+        **common,
+    )
+
+
+def _llama_config(g, common: dict, tensor_shapes: dict, path: str, rope_freqs) -> ModelConfig:
+    """The Llama family: one window (or none) for every layer; Llama 3's RoPE scaling from a rope_freqs tensor."""
+    head_dim, layers = common["head_dim"], common["num_layers"]
     theta = float(g("rope.freq_base", 10_000.0))
-    scaling = _rope_scaling(meta, arch)
+    scaling = _rope_scaling(g)
     if rope_freqs is not None:
         if scaling is not None:
             raise ValueError(f"{path}: both rope.scaling.type and a rope_freqs tensor are present")
-        scaling = _llama3_from_rope_freqs(rope_freqs, head_dim, theta, meta, arch, path)
+        scaling = _llama3_from_rope_freqs(rope_freqs, head_dim, theta, g, path)
     window = g("attention.sliding_window")
     return ModelConfig(
         family="llama",
