@@ -93,13 +93,11 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     eng = engine.with_strategy(strategy, batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
                                enable_prefix_caching=caching, async_scheduling=overlap)
     stats0 = eng.stats()
-    page_size = eng.config.page_size
     order = sorted(range(len(work.prompts) - len(work.late)), key=lambda i: work.arrivals[i])
     ids: dict[int, str] = {}
     token_times: dict[str, list[float]] = {}  # when each request's tokens reached the host
-    next_i, peak, kv_weighted, kv_time, late_sent = 0, 0, 0.0, 0.0, not work.late
-    page_bytes = sum(x.nbytes for x in eng.runner.kv_pool) / eng.runner.config.num_pages  # every layer, K and V
-    bytes_weighted, bytes_time = 0.0, 0.0  # KV bytes held per token of the running sequences, over time
+    next_i, late_sent = 0, not work.late
+    usage = _KVUsage(eng)
     bar = tqdm(total=len(work.prompts), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
     profile = StepProfile(eng).__enter__()  # host time per step and device idle share
     start = time.monotonic()
@@ -138,49 +136,68 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
         t1 = time.monotonic()
         if recorder:
             recorder.after_step(eng, t0, t1, done)
-        running = eng.scheduler.running
-        for r in running + done:
+        for r in eng.scheduler.running + done:
             times = token_times[r.request_id]
             times += [t1] * (len(r.output_token_ids) - len(times))
-        peak = max(peak, len(running))
-        reserved = eng.blocks.used_pages * page_size
-        if reserved:
-            kv_weighted += (t1 - t0) * held_tokens(running, page_size) / reserved
-            kv_time += t1 - t0
-        tokens = sum(r.num_tokens for r in running)
-        if tokens:  # sliding-window groups hold only their window: fewer bytes per token as sequences grow
-            bytes_weighted += (t1 - t0) * eng.blocks.used_pages * page_bytes / tokens
-            bytes_time += t1 - t0
+        usage.observe(eng, t1 - t0)
         bar.update(len(done))
         if eng.idle:
             time.sleep(0.0005)
     bar.close()
     profile.__exit__(None, None, None)
+    if recorder:
+        timelines.append(recorder.timeline)
     requests = [eng.request(ids[i]) for i in sorted(ids)]
+    itl = [b - a for i in order for a, b in zip(token_times[ids[i]], token_times[ids[i]][1:])]
+    return _figures(eng, _label(eng, caching, overlap), requests, itl, start, stats0, usage, profile)
+
+
+class _KVUsage:
+    """What the running sequences held over a run, weighted by step time: the peak count, the share
+    of reserved KV slots holding a token, and the KV bytes per held token."""
+
+    def __init__(self, eng: Engine):
+        self.page_size = eng.config.page_size
+        self.page_bytes = sum(x.nbytes for x in eng.runner.kv_pool) / eng.runner.config.num_pages  # all layers, K, V
+        self.peak, self.kv_weighted, self.kv_time, self.bytes_weighted, self.bytes_time = 0, 0.0, 0.0, 0.0, 0.0
+
+    def observe(self, eng: Engine, dt: float) -> None:
+        running = eng.scheduler.running
+        self.peak = max(self.peak, len(running))
+        reserved = eng.blocks.used_pages * self.page_size
+        if reserved:
+            self.kv_weighted += dt * held_tokens(running, self.page_size) / reserved
+            self.kv_time += dt
+        tokens = sum(r.num_tokens for r in running)
+        if tokens:  # sliding-window groups hold only their window: fewer bytes per token as sequences grow
+            self.bytes_weighted += dt * eng.blocks.used_pages * self.page_bytes / tokens
+            self.bytes_time += dt
+
+
+def _figures(eng: Engine, label: str, requests, itl: list[float], start: float, stats0: dict, usage: _KVUsage,
+             profile: StepProfile) -> dict:
+    """The run's row: throughput, latencies, KV use, padding, host time, and that no page leaked."""
     makespan = max(r.finish_time for r in requests) - start
     ttft = [r.first_token_time - r.arrival_time for r in requests]
     e2e = [r.finish_time - r.arrival_time for r in requests]
     tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
             for r in requests if len(r.output_token_ids) > 1]
-    itl = [b - a for i in order for a, b in zip(token_times[ids[i]], token_times[ids[i]][1:])]
     out_tokens = sum(len(r.output_token_ids) for r in requests)
     stats = eng.stats()
     assert stats["used_pages"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], \
         "KV pages leaked"
     queries = stats["prefix_cache_queries"] - stats0["prefix_cache_queries"]
-    if recorder:
-        timelines.append(recorder.timeline)
     return {
-        "strategy": _label(eng, caching, overlap),
+        "strategy": label,
         "requests_per_s": len(requests) / makespan,
         "output_tokens_per_s": out_tokens / makespan,
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_mean_s": float(np.mean(tpot)), "tpot_p99_s": percentile(tpot, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99), "itl_max_s": max(itl, default=math.nan),
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-        "peak_concurrent": peak,
-        "kv_utilization": kv_weighted / kv_time if kv_time else float("nan"),
-        "kv_bytes_per_token": bytes_weighted / bytes_time if bytes_time else float("nan"),
+        "peak_concurrent": usage.peak,
+        "kv_utilization": usage.kv_weighted / usage.kv_time if usage.kv_time else float("nan"),
+        "kv_bytes_per_token": usage.bytes_weighted / usage.bytes_time if usage.bytes_time else float("nan"),
         "prefix_hit_rate": (stats["prefix_cache_hits"] - stats0["prefix_cache_hits"]) / queries if queries else 0.0,
         "padding": (stats["tokens_computed"] - stats0["tokens_computed"]) / (stats["tokens_run"] - stats0["tokens_run"]),
         "host_ms_per_step": profile.host_ms_per_step()["host"],
@@ -311,7 +328,7 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-def main(argv=None) -> tuple[list[dict], list | None]:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
     p.add_argument("--num-requests", type=int, default=64)
@@ -342,7 +359,25 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--timeline", default=None, metavar="PNG", help="slot timelines of every run, one panel each")
-    args = p.parse_args(argv)
+    return p
+
+
+def _print_summary(rows: list[dict], args, compile_s: float) -> None:
+    rate = "all at once" if math.isinf(args.rate) else f"Poisson {args.rate}/s"
+    print(f"\n{args.num_requests} requests ({rate}), input {args.input_len[0]}-{args.input_len[1]}, output "
+          f"{args.output_len[0]}-{args.output_len[1]} tokens, max_slots {args.max_slots}, KV budget "
+          f"{args.kv_cache_mb} MiB, compile {compile_s:.0f} s (not timed)\n")
+    print_table(rows)
+    for suffix in ("", " (no chunked prefill)"):
+        base = next((r for r in rows if r["strategy"] == "none" + suffix), None)
+        if base:
+            print(f"\nvs none{suffix}: " + ", ".join(
+                f"{r['strategy']} {r['output_tokens_per_s'] / base['output_tokens_per_s']:.1f}x"
+                for r in rows if r is not base and r["strategy"].endswith(suffix) and "peer" not in r["strategy"]))
+
+
+def main(argv=None) -> tuple[list[dict], list | None]:
+    args = _parser().parse_args(argv)
     keep_freed_memory()  # as `jaxserve serve`'s engine process does
 
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
@@ -378,17 +413,7 @@ def main(argv=None) -> tuple[list[dict], list | None]:
         swept = make_workload(argparse.Namespace(**{**vars(args), "rate": rate}), engine.model_config.vocab_size)
         for s in args.strategies.split(","):
             sweep.append({"rate": rate, **run_strategy(engine, s, swept, args)})
-    rate = "all at once" if math.isinf(args.rate) else f"Poisson {args.rate}/s"
-    print(f"\n{args.num_requests} requests ({rate}), input {args.input_len[0]}-{args.input_len[1]}, output "
-          f"{args.output_len[0]}-{args.output_len[1]} tokens, max_slots {args.max_slots}, KV budget "
-          f"{args.kv_cache_mb} MiB, compile {compile_s:.0f} s (not timed)\n")
-    print_table(rows)
-    for suffix in ("", " (no chunked prefill)"):
-        base = next((r for r in rows if r["strategy"] == "none" + suffix), None)
-        if base:
-            print(f"\nvs none{suffix}: " + ", ".join(
-                f"{r['strategy']} {r['output_tokens_per_s'] / base['output_tokens_per_s']:.1f}x"
-                for r in rows if r is not base and r["strategy"].endswith(suffix) and "peer" not in r["strategy"]))
+    _print_summary(rows, args, compile_s)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
