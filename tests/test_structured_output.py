@@ -49,7 +49,7 @@ def tokenizer(symbols_llama_dir):
 def assert_idle(engine):
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["used_pages"] == 0
-    assert len(engine._grammars) == 0, "a grammar matcher outlived its request"
+    assert len(engine.core.grammars) == 0, "a grammar matcher outlived its request"
 
 
 # ---- the spec ----
@@ -235,9 +235,9 @@ def test_abort_frees_the_matcher(engine):
     rid = engine.add_request(PROMPT, constrained(regex="[a-z]{30}", max_tokens=60, temperature=1.0, seed=2))
     for _ in range(3):
         engine.step()
-    assert rid in engine._grammars
+    assert rid in engine.core.grammars
     engine.abort(rid)
-    assert rid not in engine._grammars and engine.output(rid).finish_reason == "abort"
+    assert rid not in engine.core.grammars and engine.output(rid).finish_reason == "abort"
     engine.release(rid)
     assert_idle(engine)
 

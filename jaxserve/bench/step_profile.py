@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict
 
-import jaxserve.engine.llm_engine as engine_module
+import jaxserve.engine.core as core_module
 
 
 class StepProfile:
@@ -57,12 +57,12 @@ class StepProfile:
     def __enter__(self) -> "StepProfile":
         e = self.engine
         self._timed(e.scheduler, "schedule", "schedule")
-        self._timed(engine_module, "build_step", "build")
+        self._timed(core_module, "build_step", "build")
         self._timed(e.runner, "dispatch", "dispatch", self._on_dispatch)
         self._timed(e.runner, "collect", "collect")  # waiting for the device, then the copy
         self._timed(e.scheduler, "advance", "advance")
         self._timed(e.scheduler, "commit", "commit")
-        self._timed(e, "_apply_stop_strings", "detokenize")
+        self._timed(e.outputs, "apply_stop_strings", "detokenize")
         self._timed(e, "step", "step")
         self._waiter = threading.Thread(target=self._wait_loop, daemon=True)
         self._waiter.start()

@@ -1,6 +1,8 @@
-"""One request's output text: detokenized as its tokens arrive, and cut at the first of its stop
-strings. The one place stop strings are applied: the engine ends a request when its text holds
-one (`Engine`), and the server cuts and streams the text (`completion_job.Choice`).
+"""Outputs as users see them. `OutputText`: one request's text, detokenized as its tokens arrive,
+and cut at the first of its stop strings; `OutputProcessor`: the engine's requests as
+RequestOutputs, ended when their text holds a stop string. The one place stop strings are
+applied: the engine ends a request with them (`OutputProcessor`), and the server cuts and streams
+the text with the same `OutputText`.
 
     tokens ─► add() ─► IncrementalDetokenizer delta ─► text ─► stopped? ─► final_text (cut)
                                                                          └► new_text() (streamed, a
@@ -9,7 +11,8 @@ one (`Engine`), and the server cuts and streams the text (`completion_job.Choice
 
 from __future__ import annotations
 
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, first_stop
+from jaxserve.engine.batching.request import FinishReason, Request, RequestOutput
+from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, Tokenizer, decode_after, first_stop
 
 
 class OutputText:
@@ -56,3 +59,54 @@ class OutputText:
         new = text[self.emitted:]
         self.emitted = max(self.emitted, len(text))
         return new
+
+
+class OutputProcessor:
+    """Requests as users see them: the text of each, and its stop strings, which end it. Only
+    requests with stop strings are detokenized every step; the others once, when asked."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._texts: dict[str, OutputText] = {}  # requests with stop strings: their text so far
+
+    def add(self, request: Request) -> None:
+        if request.params.stop:
+            self._texts[request.request_id] = OutputText(self.tokenizer, request.prompt_token_ids,
+                                                         request.params.stop)
+
+    def release(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)
+
+    def apply_stop_strings(self, requests: dict[str, Request], finish) -> list[Request]:
+        """Detokenizes the new tokens of the requests that have stop strings and ends, through
+        `finish(request, reason)`, those whose text now holds one; returns them."""
+        finished = []
+        for request_id, text in self._texts.items():
+            request = requests[request_id]
+            if text.stopped or len(request.output_token_ids) == text.num_tokens:
+                continue
+            text.add(request.output_token_ids[text.num_tokens:])
+            if text.stopped:
+                if not request.finished:
+                    finish(request, FinishReason.STOP)
+                    finished.append(request)
+                elif request.finish_reason is FinishReason.LENGTH:
+                    request.finish_reason = FinishReason.STOP  # the last token completed a stop string
+        return finished
+
+    def output(self, r: Request) -> RequestOutput:
+        """The current state of a request as a RequestOutput."""
+        text = self._texts.get(r.request_id)
+        if text is not None and text.stopped:
+            text = text.final_text
+        elif self.tokenizer is None:
+            text = ""
+        else:
+            text = decode_after(self.tokenizer, r.prompt_token_ids[-DECODE_CONTEXT:], r.output_token_ids)
+        return RequestOutput(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=list(r.output_token_ids),
+            text=text, finish_reason=r.finish_reason.value if r.finish_reason else None,
+            ttft_s=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
+            latency_s=None if r.finish_time is None else r.finish_time - r.arrival_time,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            num_cached_tokens=r.num_cached_tokens or 0)

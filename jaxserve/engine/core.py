@@ -1,0 +1,227 @@
+"""The engine core: schedule -> dispatch -> commit, one iteration per `step()`.
+
+    step(): scheduler.schedule (grow pages / preempt, admit, fill the token budget: decodes first,
+            then prompt chunks) -> build_step (flat ragged arrays) -> runner.dispatch (one compiled
+            call) -> scheduler.advance (computed tokens, pending sampled ones)
+            -> collect the previous step: its tokens to the host -> scheduler.commit (append, retire)
+    With async scheduling the host schedules and dispatches step N+1 while the device runs step N;
+    a token is pending (sampled, still on the device) for one step, and a request that stops on
+    EOS or a stop token may compute one token too many, which is dropped.
+    Structured output: before dispatch, the host fills the token bitmask of each constrained row
+    that samples (GrammarMatchers.fill); once its token is on the host, the request's matcher
+    consumes it, and a completed grammar ends the request. Its next mask needs that token, so a
+    step that samples a constrained row is collected before the next one is scheduled (steps run
+    in order while constrained rows sample; the others keep the overlap).
+
+The core takes validated Requests (`input_processor`) and knows no text: stop strings and
+detokenizing are the output processor's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
+from jaxserve.engine.grammars import GrammarMatchers
+from jaxserve.model.config import ModelConfig
+from jaxserve.worker.runner import Runner
+from jaxserve.worker.sampling import SamplingBatch
+from jaxserve.worker.step_batch import ScheduledSeq, build_step
+
+log = logging.getLogger(__name__)
+
+HISTORY_STEPS = 2048  # steps kept in EngineCore.history (minutes of a busy engine)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One dispatched step, as the dashboard and benchmarks read it."""
+
+    time: float  # time.time() at dispatch
+    tokens: int  # tokens run (decode tokens plus prompt-chunk tokens)
+    decode_rows: int  # sequences that ran one token
+    prefill_tokens: int  # tokens of prompt chunks
+    running: int
+    waiting: int
+    used_pages: int
+    cached_pages: int
+
+
+class EngineCore:
+    """A scheduler and its block manager for `config` over a runner's pool, with the grammar
+    matchers of constrained requests."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: Runner, max_model_len: int,
+                 tokenizer=None):
+        budget = config.step_token_budget(max_model_len)
+        if budget > runner.config.max_num_batched_tokens:
+            raise ValueError(f"a step of {budget} tokens exceeds the compiled steps' "
+                             f"{runner.config.max_num_batched_tokens}: build a new engine for this budget")
+        self.config, self.runner = config, runner
+        windows = runner.kv_groups.windows
+        self.blocks = BlockManager(runner.config.num_pages, config.page_size, config.enable_prefix_caching,
+                                   num_groups=len(windows))
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_slots=config.max_slots, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            eos_token_ids=model_config.eos_token_ids, kv_group_windows=windows),
+            self.blocks,
+            make_policy(config.strategy, batch_size=config.batch_size,
+                        max_batch_delay_s=config.max_batch_delay_ms / 1000))
+        self.grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        self.idle = True  # the last step had nothing to run
+        self._in_flight = None  # the dispatched step whose tokens are not on the host yet
+        self.num_errors = 0
+        self.num_steps = 0
+        self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
+
+    def add(self, request: Request) -> None:
+        """Queues a validated request; its grammar, if any, is compiled now, so one that fails
+        queues nothing (ValueError)."""
+        if request.params.structured_outputs is not None:
+            self.grammars.add(request.request_id, request.params.structured_outputs)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request with `abort` and frees its pages and grammar matcher (no-op if done)."""
+        self.scheduler.abort(request_id)
+        self.grammars.remove(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One iteration: schedules and dispatches the next step, then collects the step before it
+        (or, without async scheduling, this one). Returns the requests that finished."""
+        finished: list[Request] = []
+        schedule = self.scheduler.schedule()
+        try:
+            launched = self._launch(schedule) if not schedule.empty else None
+            if self._in_flight is not None:
+                finished += self._collect(*self._in_flight)
+            self._in_flight = launched
+            # A constrained row's next mask needs the token it just sampled: collect it now.
+            if launched is not None and (not self.config.overlaps_steps or launched[3]):
+                self._in_flight = None
+                finished += self._collect(*launched)
+        except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
+            log.exception("engine step failed")
+            self.num_errors += 1
+            failed = [schedule] + ([self._in_flight[0]] if self._in_flight else [])
+            self._in_flight = None
+            for request in {r: None for s in failed for r in s.num_tokens}:
+                if not request.finished:
+                    self.scheduler.finish(request, FinishReason.ERROR)
+                    finished.append(request)
+            if self.runner.recover():  # a zeroed pool: no computed token or cached page is in it any more
+                finished += self.scheduler.preempt_all()
+                self.blocks.reset_prefix_cache()
+        self.idle = schedule.empty and self._in_flight is None
+        return finished
+
+    def _launch(self, schedule):
+        """Builds and dispatches a step, and advances the scheduler past it."""
+        seqs = [ScheduledSeq(r.slot, r.num_computed_tokens,
+                             r.token_ids(r.num_computed_tokens, r.num_computed_tokens + n), schedule.samples(r))
+                for r, n in schedule.num_tokens.items()]
+        table = self.scheduler.table
+        batch = build_step(seqs, table.block_tables, SamplingBatch.from_table(table), self.config.page_size,
+                           self.runner.buckets, self.runner.replicas)
+        constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
+                       if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
+        if constrained:
+            batch.allowed = self.grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
+                                               len(batch.sample_slots))
+        want_logprobs = any(r.params.logprobs is not None for r in schedule.sampling)
+        in_flight = self.runner.dispatch(batch, logprobs=want_logprobs)
+        self.scheduler.advance(schedule)
+        self._record(schedule)
+        return schedule, batch.rows, in_flight, constrained
+
+    def _record(self, schedule) -> None:
+        decodes = sum(1 for n in schedule.num_tokens.values() if n == 1)
+        total = schedule.total_tokens
+        self.num_steps += 1
+        self.history.append(StepRecord(time.time(), total, decodes, total - decodes, len(self.scheduler.running),
+                                       len(self.scheduler.waiting), self.blocks.used_pages, self.blocks.cached_pages))
+
+    def _collect(self, schedule, rows, in_flight, constrained=()) -> list[Request]:
+        """Brings a dispatched step's tokens to the host and commits them; the constrained
+        requests' matchers consume theirs."""
+        out = self.runner.collect(in_flight)
+        requests = list(schedule.num_tokens)
+        tokens = out.tokens[rows]
+        live = [(i, r) for i, r in constrained if not r.finished]  # not aborted meanwhile
+        finished = self.scheduler.commit(schedule, tokens, _logprob_dicts(out.logprobs, rows, requests))
+        for i, request in live:
+            if self._advance_grammar(request, int(tokens[i])):
+                finished.append(request)
+        return finished
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feeds a constrained request's sampled token to its matcher; ends the request when the
+        grammar is complete (`stop`, also where the token reached max_tokens) or refuses the token
+        (`error`). Returns whether it ended here."""
+        request_id = request.request_id
+        if not self.grammars.consume(request_id, token):
+            log.error("request %s: the grammar refused token %d: %s", request_id, token,
+                      self.grammars.error(request_id))
+            if request.finished:
+                return False
+            self.scheduler.finish(request, FinishReason.ERROR)
+            return True
+        if not self.grammars.done(request_id):
+            return False
+        if request.finished:  # by EOS (already `stop`), or max_tokens on the token that completed it
+            if request.finish_reason is FinishReason.LENGTH:
+                request.finish_reason = FinishReason.STOP
+            return False
+        self.scheduler.finish(request, FinishReason.STOP)
+        return True
+
+    def kv_group_pages(self) -> list[dict]:
+        """Per KV-cache group: its sliding window (None: full attention), and the pages its
+        sequences read (used) and keep for the prefix cache (cached). Free pages belong to none."""
+        return [{"window": window, "used_pages": used, "cached_pages": cached}
+                for window, (used, cached) in zip(self.runner.kv_groups.windows,
+                                                  map(self.blocks.group_pages, range(self.blocks.num_groups)))]
+
+    def stats(self) -> dict:
+        scheduler, blocks, runner = self.scheduler, self.blocks, self.runner
+        return {
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "free_pages": blocks.free_pages,  # unreferenced, holding nothing reusable
+            "cached_pages": blocks.cached_pages,  # unreferenced, holding a prefix-cache page
+            "used_pages": blocks.used_pages,  # read by running requests
+            "total_pages": blocks.total_pages,
+            "kv_groups": self.kv_group_pages(),
+            "prefix_cache_queries": scheduler.prefix_cache_queries,  # prompt tokens looked up
+            "prefix_cache_hits": scheduler.prefix_cache_hits,  # of those, found in the cache
+            "num_compiles": runner.num_compiles,
+            "tokens_run": runner.tokens_run,  # real tokens through the model
+            "tokens_computed": runner.tokens_computed,  # the same with bucket padding
+            "num_preemptions": scheduler.num_preemptions,
+            "num_errors": self.num_errors,
+            "num_steps": self.num_steps,
+            "structured_output_mask_seconds": self.grammars.fill_seconds,  # host time filling token masks
+            "structured_output_mask_steps": self.grammars.fill_steps,  # steps that filled one
+        }
+
+
+def _logprob_dicts(logprobs, rows: np.ndarray, requests: list[Request]) -> list[dict] | None:
+    if logprobs is None:
+        return None
+    chosen, top_ids, top_logp = logprobs
+    out = []
+    for i, r in zip(rows, requests):
+        k = r.params.logprobs or 0
+        out.append({"logprob": float(chosen[i]),
+                    "top": [(int(t), float(lp)) for t, lp in zip(top_ids[i, :k], top_logp[i, :k])]})
+    return out
