@@ -35,11 +35,11 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,8 +47,9 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jaxserve.bench.http_load import Call, run_pool  # noqa: E402
+from jaxserve.bench.server_process import ServeProcess, cpu_model, cpu_seconds  # noqa: E402
 from jaxserve.entrypoints.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
-from serve_process import free_port, wait_for_health  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain engine paper window garden music light "
@@ -136,38 +137,20 @@ def run_in_process(engine, warmup: list[str], prompts: list[str], args, warm: bo
 # ---- HTTP ----
 
 async def http_closed_loop(url: str, model: str, prompts: list[str], args):
-    ttft, itl, tokens = [], [], 0
-    todo = iter(prompts)
+    body = {"model": model, "max_tokens": args.output_tokens, "temperature": args.temperature, "top_k": args.top_k,
+            "top_p": args.top_p, "seed": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    calls = (Call("/v1/completions", {**body, "prompt": prompt}) for prompt in prompts)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-        async def one(prompt: str):
-            nonlocal tokens
-            body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens,
-                    "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            start, first, n = time.perf_counter(), None, 0
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if first is None and chunk["choices"]:  # a chunk per step that made tokens
-                        first = time.perf_counter()
-                    if chunk.get("usage"):
-                        n = chunk["usage"]["completion_tokens"]
-            end = time.perf_counter()
-            ttft.append(first - start)
-            itl.append((end - first) / max(1, n - 1))
-            tokens += n
-
-        async def worker():
-            for prompt in todo:
-                await one(prompt)
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        return ttft, itl, tokens, time.perf_counter() - start
+        ended, _ = await run_pool(client, calls, args.concurrency, math.inf)
+        elapsed = time.perf_counter() - start
+    for c in ended:
+        if c.status != 200 or c.error or math.isnan(c.first):  # TTFT: the first chunk, sent for the first step
+            raise RuntimeError(f"{c.ended_as()}: {c.error or c.text[:300]}")
+    return ([c.ttft for c in ended], [(c.end - c.first) / max(1, c.tokens() - 1) for c in ended],
+            sum(c.tokens() for c in ended), elapsed)
 
 
 def server_metrics(url: str) -> dict[str, float]:
@@ -218,17 +201,14 @@ def run_http(url: str, warmup: list[str], prompts: list[str], args, warm: bool, 
     return out
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port), *args.engine_argv]
-    proc = subprocess.Popen(command, stdout=open(args.server_log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+def start_server(args) -> ServeProcess:
+    server = ServeProcess(args.engine_argv, args.server_log)
     try:
-        wait_for_health(url, [proc])
+        server.wait_healthy(900)
     except (RuntimeError, TimeoutError) as e:
-        proc.kill()
+        server.close()
         raise SystemExit(f"{e}; see {args.server_log}") from None
-    return proc, url
+    return server
 
 
 def main(argv=None) -> None:
@@ -255,7 +235,7 @@ def main(argv=None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
     _, args.engine_argv = own.parse_known_args(raw)  # the server gets exactly the engine options given here
-    results = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "args": vars(args)}
+    results = {"cpu": cpu_model(), "load_before": os.getloadavg(), "args": vars(args)}
 
     from jaxserve.engine.llm_engine import Engine
     from jaxserve.host_memory import keep_freed_memory
@@ -267,9 +247,10 @@ def main(argv=None) -> None:
     prompts = make_prompts(engine.tokenizer, args.warmup + args.rounds * args.requests, args.prompt_tokens,
                            args.prompt_seed)
     warmup = prompts[: args.warmup]
-    proc, url = None, args.url
+    server, url = None, args.url
     if args.mode in ("both", "http") and url is None:
-        proc, url = start_server(args)
+        server = start_server(args)
+        url = server.url
     def measured(i: int) -> list[str]:  # round i's prompts, the same for both sides
         return prompts[args.warmup + i * args.requests: args.warmup + (i + 1) * args.requests]
     modes = {"both": ("in_process", "http"), "in-process": ("in_process",), "http": ("http",)}[args.mode]
@@ -283,11 +264,10 @@ def main(argv=None) -> None:
                     runs[mode].append(run_in_process(engine, warmup, measured(i), args, warm=i == 0))
                 else:
                     runs[mode].append(run_http(url, warmup, measured(i), args, warm=i == 0,
-                                               server_pid=proc.pid if proc is not None else args.server_pid))
+                                               server_pid=server.pid if server is not None else args.server_pid))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        if server is not None:
+            server.close(60)
     for mode, rounds in runs.items():
         if any(r.get("compiles_measured") for r in rounds):
             print(f"note: compiles in a measured {mode} phase (raise --warmup)")
@@ -329,15 +309,11 @@ def _cpu_s(pid: int) -> float:
 
 
 def _server_cpu_s(pid: int | None) -> dict[str, float]:
-    """CPU seconds of the server process and of each child (the engine process)."""
+    """CPU seconds of the server's engine process and of its others (the API process)."""
     if pid is None:
         return {}
-    import psutil
-    out = {"API process": _cpu_s(pid)}
-    for child in psutil.Process(pid).children():
-        name = "engine process" if "spawn_main" in " ".join(child.cmdline()) else f"child {child.pid}"
-        out[name] = _cpu_s(child.pid)
-    return out
+    cpu = cpu_seconds(pid)
+    return {"API process": cpu["other"], "engine process": cpu["engine"]}
 
 
 def _step_summary(steps: list[dict]) -> dict:
@@ -367,14 +343,6 @@ def _totals(rounds: list[dict]):
 
 def _hit_rate(hits: float, queries: float) -> float:
     return hits / queries if queries else 0.0
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

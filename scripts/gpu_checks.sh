@@ -6,13 +6,12 @@
 #   3. with KERNEL_BENCH=1, the kernel benchmark (ours vs the jnp reference vs jax's shipped decode
 #      kernel; `--kv-splits 1` runs ours without kv splits);
 #   4. decode tokens/s against batch size, and the batching benchmark, on random Gemma 3 270M;
-#   5. start-up: every step program compiled (bench_startup), and `jaxserve generate` cold (empty
-#      cache) and warm, on random Gemma 3 270M;
-#   6. with RAY_BENCH=1, replicas behind Ray Serve against one engine (bench_replicas).
+#   5. start-up: `jaxserve generate` cold (empty cache) and warm, on random Gemma 3 270M;
+#   6. with RAY_BENCH=1, replicas behind Ray Serve against one engine (`load.py replicas`).
 # The engine's parts (5, then 4) run first: the kernel's figures are in docs/kernels.md already.
 # The tests run in one process (-n 0): xdist workers would each take most of the GPU memory.
 # Each part has its own time limit, so one slow part cannot take the others' time; together they
-# stay under 10 minutes (9.5 at most, without KERNEL_BENCH): the device tool's limit for a command.
+# stay under 10 minutes (8.5 at most, without KERNEL_BENCH): the device tool's limit for a command.
 #   OUT=results bash scripts/gpu_checks.sh
 # Each part's log goes to $LOGS; on exit they are packed into $OUT/gpu-logs.tgz (one file: the
 # device tool brings back at most 8).
@@ -33,7 +32,6 @@ nvidia-smi -L
 $PYTHON -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 part random_checkpoint 40 $PYTHON scripts/random_checkpoint.py /tmp/gemma3-270m-random
 export JAXSERVE_CACHE=/tmp/jaxserve-cache  # empty: the first engine compiles, the later ones load
-part startup_cold 60 $PYTHON scripts/bench_startup.py --warmup
 part generate_cold 60 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
 part generate_warm 30 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
 part bench_decode 120 $PYTHON scripts/bench_decode.py --model /tmp/gemma3-270m-random --batches 1,8,64,256 --context 1024 --reps 10
@@ -46,7 +44,7 @@ if [ "${KERNEL_BENCH:-0}" = 1 ]; then part bench_kernels 60 $PYTHON scripts/benc
 # affinity (docs/scale-out.md). A fifth of the GPU's memory per engine: two replicas share one GPU.
 if [ "${RAY_BENCH:-0}" = 1 ]; then
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
-    replicas="$PYTHON scripts/bench_replicas.py --model /tmp/gemma3-270m-random --engine-args=--kv-cache-mb=2048"
-    part bench_replicas_overhead 300 $replicas --configs direct,ray-1,direct,ray-1 --repeats 2 --json "$LOGS/overhead.json"
-    part bench_replicas_affinity 150 $replicas --configs direct,prefix,round-robin --port 8124 --json "$LOGS/affinity.json"
+    replicas=(scripts/load.py replicas --serve "--model /tmp/gemma3-270m-random --max-slots 16 --max-model-len 1024 --kv-cache-mb 2048")
+    part bench_replicas_overhead 300 $PYTHON "${replicas[@]}" --configs direct,ray-1,direct,ray-1 --repeats 2 --json "$LOGS/overhead.json"
+    part bench_replicas_affinity 150 $PYTHON "${replicas[@]}" --configs direct,prefix,round-robin --json "$LOGS/affinity.json"
 fi

@@ -44,7 +44,7 @@ LONGEST_FIRST = ["test_sharding.py", "test_gemma3_real.py", "test_pallas_ragged_
                  "test_ray_serve.py", "test_token_budget.py", "test_startup.py", "test_sampling.py",
                  "test_engine_prefix_cache.py", "test_server_shutdown.py", "test_model_parity.py",
                  "test_dashboard_browser.py", "test_server.py", "test_structured_output.py", "test_kv_in_place.py",
-                 "test_multiprocess.py", "test_gguf_loader.py", "test_gguf_tokenizer.py", "test_server_api.py",
+                 "test_gguf_loader.py", "test_gguf_tokenizer.py", "test_server_api.py",
                  "test_ragged_reference.py", "test_engine_restart.py"]
 
 

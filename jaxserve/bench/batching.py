@@ -260,7 +260,7 @@ def run_hf_peer(model_path: str | None, work: Workload, args) -> dict:
 
 def run_llamacpp_peer(model_path: str | None, work: Workload, args) -> dict:
     """llama-cpp-python on the same GGUF: one batch of up to max_slots sequences decoded together."""
-    from llamacpp_peer import generate_batched
+    from jaxserve.bench.llamacpp_peer import generate_batched
     from jaxserve.model.default_model import default_model_path
     path = model_path or default_model_path()
     if not path.endswith(".gguf"):

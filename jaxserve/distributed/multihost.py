@@ -116,7 +116,7 @@ def start(group: Group, build: Callable[[], Any], fatal: Callable[[str], None]) 
     import jax
     from jax.experimental import multihost_utils
 
-    from jaxserve import step_channel  # here: the API process reads `Group` without importing jax
+    from jaxserve.distributed import step_channel  # here: the API process reads `Group` without importing jax
     # CPU devices of different processes reach each other through gloo; accelerators use their own links.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id)

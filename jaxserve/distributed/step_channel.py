@@ -8,7 +8,7 @@ arrays change shape with its bucket, which a collective must know beforehand (so
 step: the shapes, then the arrays); each broadcast is a device program that the leader waits for;
 and a process that dies leaves the others blocked in it. A socket carries any shapes in one
 message, the leader does not wait for it, and a closed connection is seen at once.
-`scripts/bench_broadcast.py` measures both (docs/scale-out.md has the figures).
+`scripts/bench_broadcast.py` (at 0c7fb82) measured both (docs/scale-out.md has the figures).
 
 Arrays travel as raw bytes under a JSON header, never pickled: the port is open to the group's
 network, and a follower must not run code that arrives there.
