@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import time
 
 import jax
@@ -200,7 +199,7 @@ def mixed_step_time(engine: Engine, budget: int, decodes: int, context: int, rep
 
 
 def budget_sweep(args, budgets: list[int]) -> None:
-    print(f"\n| dtype | budget | step ms (every decode's ITL) | tokens/s | of the best |")
+    print("\n| dtype | budget | step ms (every decode's ITL) | tokens/s | of the best |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         engine = Engine.from_pretrained(args.model, EngineConfig(
@@ -209,7 +208,7 @@ def budget_sweep(args, budgets: list[int]) -> None:
         rows = [(b, mixed_step_time(engine, b, 16, args.context, args.reps)) for b in budgets]
         best = max(b / t for b, t in rows)
         for b, t in rows:
-            print(f"| {label} | {b} | {t * 1e3:.1f} | {b / t:.0f} | {b / t / best:.0%} |", flush=True)
+            print(f"| {dtype} | {b} | {t * 1e3:.1f} | {b / t:.0f} | {b / t / best:.0%} |", flush=True)
         del engine
 
 
@@ -263,7 +262,7 @@ def main(argv=None) -> None:
         return attention_sweep(args, [int(b) for b in args.batches.split(",")], bandwidth)
     print("output layer 640x262144, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in one_row_forms().items()))
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
+    print("\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         engine = Engine.from_pretrained(args.model, EngineConfig(

@@ -4,7 +4,6 @@ pool (every hash dropped, the running recomputed), and the page accounting when 
 cached == all, no reference left)."""
 
 import numpy as np
-import pytest
 
 from jaxserve.engine.batching import BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy
 from jaxserve.engine.batching.page_hash import ROOT, hash_page
