@@ -267,20 +267,20 @@ def test_a_step_that_consumed_the_kv_pool_leaves_no_stale_kv_behind(llama_dir, e
     small.generate([prefix + [100, 101, 102]], GREEDY)  # leaves them in the prefix cache
     failing = small.add_request(list(range(40, 80)), GREEDY)  # its first chunk takes the whole budget
     bystander = small.add_request(prefix + [110, 111, 112], GREEDY)  # admitted on the cached pages, runs nothing
-    runner, real_executable, donated = small.runner, small.runner._executable, []
+    runner, real_executable, donated = small.runner, small.runner.programs.get, []
 
     def forward_fails_after_consuming_the_pool(key):
         program = real_executable(key)
         if key[0] != "forward":
             return program
-        monkeypatch.setattr(runner, "_executable", real_executable)  # fail once
+        monkeypatch.setattr(runner.programs, "get", real_executable)  # fail once
 
         def run(state, pool, *args):
             program(state, pool, *args)
             donated.append(all(x.is_deleted() for x in pool))
             raise RuntimeError("device fell over after the pool was donated")
         return run
-    monkeypatch.setattr(runner, "_executable", forward_fails_after_consuming_the_pool)
+    monkeypatch.setattr(runner.programs, "get", forward_fails_after_consuming_the_pool)
     assert [r.request_id for r in small.step()] == [failing]
     assert donated == [True] and small.output(failing).finish_reason == "error"
     assert small.request(bystander).num_cached_tokens == 16  # it did count on the old pool
@@ -316,7 +316,7 @@ def test_no_stale_kv_after_a_failure_at_a_random_point(own_pool_engine, engine, 
         shared = prefixes[int(rng.integers(3))] if rng.random() < 0.7 else []
         return shared + rng.integers(3, 150, int(rng.integers(1, 12))).tolist()
     work = {small.add_request(q, GREEDY): q for q in (prompt() for _ in range(int(rng.integers(2, 7))))}
-    runner, real_executable, calls, failed = small.runner, small.runner._executable, [], []
+    runner, real_executable, calls, failed = small.runner, small.runner.programs.get, [], []
     fail_at = int(rng.integers(0, 10))  # every mix runs at least 12 forward steps
 
     def executable(key):
@@ -332,7 +332,7 @@ def test_no_stale_kv_after_a_failure_at_a_random_point(own_pool_engine, engine, 
                 raise RuntimeError("device fell over after the pool was donated")
             return result
         return run
-    monkeypatch.setattr(runner, "_executable", executable)
+    monkeypatch.setattr(runner.programs, "get", executable)
     errors = None
     while small.has_unfinished():
         finished = small.step()

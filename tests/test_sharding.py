@@ -225,8 +225,8 @@ def check_layouts() -> dict:
     check_pool()
     generate(engine)
     check_pool()  # the donated pool keeps its layout across steps
-    forward = next(v for k, v in runner._compiled.items() if k[0] == "forward")
-    sample = next(v for k, v in runner._compiled.items() if k[0] == "sample")
+    forward = next(v for k, v in runner.programs.compiled.items() if k[0] == "forward")
+    sample = next(v for k, v in runner.programs.compiled.items() if k[0] == "sample")
     slot_tokens_sharding, tokens_sharding = forward.input_shardings[0][2:4]
     assert tokens_sharding.spec == P("data"), tokens_sharding  # each replica's tokens on its own devices
     assert slot_tokens_sharding.is_fully_replicated  # the last sampled token of every slot, everywhere

@@ -20,7 +20,6 @@ their shardings, step inputs are split by data-parallel replica, and attention r
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 
@@ -31,6 +30,7 @@ from flax import nnx
 
 from jaxserve.distributed import sharding
 from jaxserve.worker.compile_cache import ExecutableCache
+from jaxserve.worker.programs import Programs
 from jaxserve.worker.kv_pool import allocate_kv_pool, storage_dtype
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.paged_attention import StepMetadata
@@ -112,12 +112,12 @@ class Runner:
         min_rows = config.min_rows or (2 if one_row_trap else 1)
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
-        self._compiled: dict[tuple, object] = {}
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
         # Each process of a multi-host group keeps its own entries: a program is loaded onto its local devices.
         self.cache = None if config.cache_dir is None else ExecutableCache(
             config.cache_dir, f"{self.describe_programs()}\nprocess {jax.process_index()}", devices)
+        self.programs = Programs(self.program, self.cache)
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding
         self.mirror = None  # a multi-host leader's multihost.Mirror: the other processes run each step too
@@ -125,7 +125,7 @@ class Runner:
     @property
     def num_compiles(self) -> int:
         """Programs compiled or loaded: a steady workload adds none."""
-        return len(self._compiled)
+        return len(self.programs)
 
     def step(self, batch: StepBatch, logprobs: bool = False) -> StepOutput:
         """Runs one ragged batch: writes every token's K/V, samples one token per sequence row."""
@@ -142,15 +142,15 @@ class Runner:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
         pool, slot_tokens, *inputs = self.step_args(batch)
         tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots, allowed = inputs
-        forward = self._executable(("forward", tokens))
+        forward = self.programs.get(("forward", tokens))
         self.kv_pool, hidden = forward(self.state_for(("forward", tokens)), pool, slot_tokens, tokens_in, token_slots,
                                        meta, logits_indices)
-        sample_step = self._executable(("sample", rows))
+        sample_step = self.programs.get(("sample", rows))
         self.slot_tokens, next_tokens, logits = sample_step(self.state_for(("sample", rows)), self.slot_tokens, hidden,
                                                             sampling, positions, sample_slots, allowed)
         out = (next_tokens,)
         if logprobs:
-            out += tuple(self._executable(("logprobs", rows))(logits, next_tokens))
+            out += tuple(self.programs.get(("logprobs", rows))(logits, next_tokens))
         self.tokens_run += batch.num_tokens
         self.tokens_computed += batch.shape[0]
         for x in out:
@@ -221,6 +221,10 @@ class Runner:
         zeros = np.zeros(self.config.max_slots, np.int32)
         return jax.device_put(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
 
+    def warmup(self, progress=None, workers: int | None = None) -> int:
+        """Compiles (or loads) every program a step may run; see `Programs.warmup`."""
+        return self.programs.warmup(self.all_programs(), progress, workers)
+
     def recover(self) -> bool:
         """After a failed step, which may have consumed the donated pool: fresh state if so.
         Returns whether the pool is a new, zeroed one (every K/V it held is gone)."""
@@ -240,31 +244,6 @@ class Runner:
         rows = self.buckets.row_sizes
         return ([("forward", t) for t in self.buckets.token_sizes] + [("sample", r) for r in rows]
                 + [("logprobs", r) for r in rows])
-
-    def _executable(self, key: tuple):
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._load_or_compile(key)
-        return compiled
-
-    def _load_or_compile(self, key: tuple):
-        return self._load(key) or self._compile(key)
-
-    def _load(self, key: tuple):
-        """The program of `key` from the compile cache, or None."""
-        return self.cache.load(_name(key)) if self.cache is not None else None
-
-    def _compile(self, key: tuple, pool: concurrent.futures.Executor | None = None):
-        """The program of `key` compiled (and saved to the cache); a future if run in `pool`."""
-        jitted, args = self.program(key)
-        lowered = jitted.lower(*args)
-
-        def compile_and_save():
-            out = lowered.compile()
-            if self.cache is not None:
-                self.cache.save(_name(key), out)
-            return out
-        return compile_and_save() if pool is None else pool.submit(compile_and_save)
 
     def program(self, key: tuple):
         """(jitted function, arguments to lower it with) of the program `key` (see `all_programs`)."""
@@ -339,36 +318,4 @@ class Runner:
         return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
                          np.full(r * rows, self.config.max_slots, np.int32), zeros(0))
 
-    def warmup(self, progress=None, workers: int | None = None) -> int:
-        """Loads every program it can from the cache, then compiles the rest, `workers` compiles at
-        a time; returns how many were new. `progress(done, total)` is called as each one is ready.
 
-        Loads run on every core (deserializing releases the GIL). XLA's compile runs on threads
-        of its own, so on 2 cores two compiles at once took longer than one after another
-        (docs/startup.md): the default is one compile per 4 cores."""
-        keys = [k for k in self.all_programs() if k not in self._compiled]
-        workers = workers or max(1, (os.cpu_count() or 1) // 4)
-        done = 0
-
-        def ready(key, compiled):
-            nonlocal done
-            self._compiled[key] = compiled
-            done += 1
-            if progress is not None:
-                progress(done, len(keys))
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-            loaded = list(pool.map(self._load, keys))
-        for key, compiled in zip(keys, loaded):
-            if compiled is not None:
-                ready(key, compiled)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            # lowering holds the GIL; compiles run meanwhile in the pool
-            futures = {self._compile(key, pool): key for key, compiled in zip(keys, loaded) if compiled is None}
-            for future in concurrent.futures.as_completed(futures):
-                ready(futures[future], future.result())
-        return len(keys)
-
-
-def _name(key: tuple) -> str:
-    """A program's name in the compile cache: ("forward", 16) -> "forward-16"."""
-    return "-".join(map(str, key))
