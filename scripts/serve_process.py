@@ -3,7 +3,7 @@ its two processes' PIDs, memory and file descriptors (read from /proc, Linux onl
 one streaming completion read event by event.
 
 The engine process is the API process's child started by multiprocessing's spawn (its command
-line holds `spawn_main`; jaxserve/entrypoints/engine_client.py), so it is found again after a restart.
+line holds `spawn_main`; jaxserve/entrypoints/engine_supervisor.py), so it is found again after a restart.
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ def run(args, client: EngineClient, start: float) -> None:
     def give_up(why: str) -> None:  # no engine restart left: exit non-zero, for a supervisor to take over
         app.failed = why
         server.should_exit = True
-    client.on_give_up = give_up
+    client.supervisor.on_give_up = give_up
 
     def when_ready():
         try:
