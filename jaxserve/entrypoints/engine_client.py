@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import zmq
@@ -52,6 +53,11 @@ class EngineClient:
             sock.setsockopt(zmq.SNDHWM, 0)  # never drop nor block: the 429 bound limits the queue
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.bind(addr)
+        # Closes the channel when the client is dropped without close() (an app whose lifespan
+        # never ran): left to zmq's own finalizers, the context may be finalized before its sockets
+        # and then waits for them forever. Holds no reference to the client.
+        self._closer = weakref.finalize(self, _close_channel, self._context, (self._commands, self._outputs), self._dir)
+        self._closer.atexit = False  # at exit an engine thread may still hold sockets of the context
         self._send_lock = threading.Lock()
         self.subscribers = Subscribers()
         self.supervisor = EngineSupervisor(self._addrs, self.metrics)
@@ -144,10 +150,7 @@ class EngineClient:
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(5)
         self._die(self.error or "the engine was stopped", reason="abort")
-        self._commands.close(linger=0)
-        self._outputs.close(linger=0)
-        self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._closer()
 
     @property
     def alive(self) -> bool:
@@ -189,7 +192,8 @@ class EngineClient:
     def fail_all(self, why: str) -> None:
         """Ends every request in flight with `error` (its stream's error event says `why`) and
         has the engine abort them, which frees their pages; the engine serves on."""
-        self.abort(self.subscribers.end_all(why, "error"))  # ended here first: the engine's `abort` finishes reach nobody
+        ended = self.subscribers.end_all(why, "error")  # ended here first: the engine's `abort` finishes reach nobody
+        self.abort(ended)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Ends requests with `abort` and frees their pages; unknown or finished ids are ignored.
@@ -277,3 +281,11 @@ class EngineClient:
             log.error("the engine died: %s", why)
             self.error = why
         self.subscribers.end_all(f"the engine stopped ({why})", reason)
+
+
+def _close_channel(context: zmq.Context, sockets: tuple[zmq.Socket, ...], folder: str) -> None:
+    """Closes the client's sockets and context and removes the folder of their addresses."""
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
+    shutil.rmtree(folder, ignore_errors=True)
