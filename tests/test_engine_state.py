@@ -274,7 +274,7 @@ def test_dashboard_is_served_from_the_package(server):
         for target in re.findall(r'from "\./([^"]+)"', text) + re.findall(r'(?:src|href)="dashboard/([^"]+)"', text):
             assert target in FILES, (name, target)
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["jaxserve"]
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["jaxserve.entrypoints"]
     assert all(any(fnmatch.fnmatch(f"static/{name}", g) for g in globs) for name in shipped)
 
 
