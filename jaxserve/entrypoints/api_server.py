@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions (routes.py)
       read the body (413 past max_body_bytes) ─► pydantic model (400) ─► SamplingParams (400), with the
       output's constraint (response_format, structured_outputs, tools: constraints.py)
-      ─► tokenize here (chat: render the chat template first) ─► completion_job.Job
+      ─► tokenize here (chat: render the chat template first): serving_completion.py, serving_chat.py
       ─► EngineClient.submit: the engine process adds every prompt x n as one group (400/429)
       ◄─ one list of new token ids per engine step ─► detokenize here ─► JSON, or SSE chunks
     GET /v1/models, /health (503 while the engine starts, with its progress, and once it has

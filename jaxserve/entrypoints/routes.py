@@ -3,8 +3,8 @@ each handler finds the engine and the server's settings in `request.app.state` (
 
     router             GET /health, /metrics, /v1/models, /v1/engine/state
     generation_router  POST /v1/completions, /v1/chat/completions: read the body (413 past
-                       max_body_bytes) ─► pydantic model (400) ─► the prompt as token ids
-                       ─► completion_job.Job: submit, then JSON or SSE
+                       max_body_bytes) ─► pydantic model (400) ─► serving_completion.py,
+                       serving_chat.py: the prompts as token ids, submitted, then JSON or SSE
 
 The /v1/ routes ask for the API key when the server has one (`authorize`). Route functions have no
 docstrings: FastAPI would write them into the OpenAPI document.
@@ -20,14 +20,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from jaxserve.engine.batching import SamplingParams
 from jaxserve.engine.state import engine_state
 from jaxserve.entrypoints import openapi
 from jaxserve.entrypoints.chat_template import HEADER
-from jaxserve.entrypoints.completion_job import Job, Payload, param_of
-from jaxserve.entrypoints.constraints import constraint
 from jaxserve.entrypoints.engine_client import EngineDeadError
 from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe
+from jaxserve.entrypoints.serving_chat import create_chat_completion
+from jaxserve.entrypoints.serving_completion import create_completion
 
 
 async def authorize(request: Request) -> None:
@@ -85,29 +84,7 @@ async def engine_state_route(request: Request):
                         responses=openapi.generation_responses(openapi.Completion, openapi.Completion))
 async def completions(request: Request):
     arrival = time.monotonic()
-    state = request.app.state
-    model, default_max_tokens = state.model, state.options.default_max_tokens
-    body = await _parse(request, CompletionRequest)
-    model.check_model(body)
-    texts = _completion_prompts(body.prompt)
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
-                       param="echo")
-    add_special = body.add_special_tokens is not False
-    prompts = [model.truncate(model.encode(p, add_special) if isinstance(p, str) else p, body.truncate_prompt_tokens)
-               for p in texts]
-    tokenizer = model.tokenizer
-    echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
-            for p in texts]
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, model.room(max(map(len, prompts)))) if default_max_tokens else 16
-    params = _sampling(body, max_tokens, body.logprobs, model.info.vocab_size, constraint(body, chat=False)[0])
-    payload = Payload(prompts, params, body.n, echo, chat=False, logprobs=body.logprobs is not None,
-                      include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
-                      cache_salt=body.cache_salt)
-    job = Job(state.engine, request, model.name, payload, tokenizer, arrival)
-    return await job.respond(bool(body.stream), body.include_usage, body.continuous_usage)
+    return await create_completion(request, await _parse(request, CompletionRequest), arrival)
 
 
 @generation_router.post(
@@ -117,37 +94,7 @@ async def completions(request: Request):
                        "model has none of its own", "required": True, "schema": {"type": "string"}}}))
 async def chat_completions(request: Request):
     arrival = time.monotonic()
-    state = request.app.state
-    model, default_max_tokens = state.model, state.options.default_max_tokens
-    body = await _parse(request, ChatCompletionRequest)
-    model.check_model(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    structured, tool_calls = constraint(body, chat=True)
-    messages = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-                for m in body.messages]
-    variables = body.chat_template_kwargs
-    if body.tools and tool_calls is not None:  # templates that know tools describe them to the model
-        variables = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools],
-                     **(variables or {})}
-    try:
-        text, source = model.templates.render(messages, body.add_generation_prompt is not False, body.chat_template,
-                                              variables)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages")
-    prompt = model.truncate(model.encode(text, bool(body.add_special_tokens)), body.truncate_prompt_tokens)
-    if not prompt:
-        raise ApiError(400, "the rendered chat is empty", param="messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens or model.max_model_len, model.room(len(prompt)))
-    params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, model.info.vocab_size,
-                       structured)
-    payload = Payload([prompt], params, body.n, [""], chat=True, logprobs=bool(body.logprobs),
-                      include_stop=bool(body.include_stop_str_in_output), request_id=body.request_id,
-                      cache_salt=body.cache_salt, tool_calls=tool_calls)
-    job = Job(state.engine, request, model.name, payload, model.tokenizer, arrival)
-    return await job.respond(bool(body.stream), body.include_usage, body.continuous_usage, {HEADER: source})
+    return await create_chat_completion(request, await _parse(request, ChatCompletionRequest), arrival)
 
 
 # ---- request parsing ----
@@ -174,29 +121,3 @@ async def _parse(request: Request, model):
     except ValidationError as e:
         message, param = describe(e, model)
         raise ApiError(400, message, param=param)
-
-
-def _completion_prompts(prompt) -> list:
-    """A list of prompts, each a string or a list of token ids."""
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    return prompts
-
-
-def _sampling(body, max_tokens: int, logprobs: int | None, vocab_size: int | None,
-              structured_outputs=None) -> SamplingParams:
-    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(body, k) is not None}
-    if given.get("top_k") == -1 or given.get("top_k", 0) >= (vocab_size or 2**31):
-        given["top_k"] = 0  # -1 is vLLM's "off"; k past the vocabulary keeps every token (and fits int32)
-    try:
-        return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_list,
-                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
-                              logprobs=logprobs, structured_outputs=structured_outputs, **given)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=param_of(str(e)))
