@@ -281,7 +281,7 @@ def test_a_burst_past_the_queue_gets_429_with_retry_after_and_the_rest_is_served
             with blocked_loop(loop_engine, _set_config, config.replace(max_waiting=MAX_WAITING)):
                 sends = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(BURST)]
                 deadline = time.monotonic() + 20
-                while len(loop_engine._subs) < BURST:  # the whole burst is queued behind the blocked loop
+                while len(loop_engine.subscribers) < BURST:  # the whole burst is queued behind the blocked loop
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
             return await asyncio.gather(*sends)
@@ -434,7 +434,7 @@ def test_vllm_named_gauges_follow_the_engine(server, loop_engine, model):
                     "model": model, "prompt": [20 + i, 50 + i, 40], "max_tokens": 100, "ignore_eos": True}))
                     for i in range(20)]
                 deadline = time.monotonic() + 20
-                while len(loop_engine._subs) < 20:
+                while len(loop_engine.subscribers) < 20:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
             while metrics(server)["jaxserve_generation_tokens_total"] == before:  # their first step ran ...

@@ -3,7 +3,7 @@ awaited until /health says 200, stopped with SIGTERM; and its processes' memory,
 and CPU time.
 
 The engine process is a child started by multiprocessing's spawn (its command line holds
-`spawn_main`; jaxserve/engine_client.py), so it is found again after a restart. Under `--replicas`
+`spawn_main`; jaxserve/entrypoints/engine_supervisor.py), so it is found again after a restart. Under `--replicas`
 every replica's engine process is one, deeper in the process tree (Ray's workers).
 """
 

@@ -6,17 +6,17 @@
         charts, and streams the answer to a prompt
     GET /dashboard/dashboard.css
 
-The page itself holds no engine data, so it is served without the key; it asks for the key when
-the server has one and sends it with every API call. A strict Content-Security-Policy lets the
-page load only its own files and talk only to this server: it works offline, and nothing it
-shows can run as script.
+`router` holds these routes, for create_app (api_server.py) to include. The page itself holds no
+engine data, so it is served without the key; it asks for the key when the server has one and
+sends it with every API call. A strict Content-Security-Policy lets the page load only its own
+files and talk only to this server: it works offline, and nothing it shows can run as script.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from jaxserve.entrypoints import openapi
@@ -39,22 +39,26 @@ def read(name: str) -> bytes:
     return (importlib.resources.files("jaxserve.entrypoints") / "static" / name).read_bytes()
 
 
-def add_routes(app: FastAPI, auth: bool) -> None:
-    """Serves the dashboard on `app`; `auth`: the server wants an API key."""
-    page = read("dashboard.html").replace(b"{{AUTH}}", b"required" if auth else b"none")
-    assets = {name: read(name) for name in FILES}
+_PAGES = {auth: read("dashboard.html").replace(b"{{AUTH}}", b"required" if auth else b"none")
+          for auth in (False, True)}  # keyed by whether the server wants an API key
 
-    @app.get("/dashboard", response_class=Response, responses=openapi.static_file(
-        "text/html", "the live dashboard of the engine (slots, KV pages, queue, charts, a prompt form)"))
-    async def dashboard():
-        return Response(page, media_type="text/html; charset=utf-8", headers=HEADERS)
-
-    for name, media_type in FILES.items():
-        _asset_route(app, name, media_type, assets[name])
+router = APIRouter()
 
 
-def _asset_route(app: FastAPI, name: str, media_type: str, body: bytes) -> None:
-    @app.get(f"/dashboard/{name}", response_class=Response,
-             responses=openapi.static_file(media_type.split(";")[0], f"the dashboard's {name}"))
+@router.get("/dashboard", response_class=Response, responses=openapi.static_file(
+    "text/html", "the live dashboard of the engine (slots, KV pages, queue, charts, a prompt form)"))
+async def dashboard(request: Request):  # no docstring: it would become the operation's description
+    return Response(_PAGES[request.app.state.options.auth], media_type="text/html; charset=utf-8", headers=HEADERS)
+
+
+def _asset_route(name: str, media_type: str) -> None:
+    body = read(name)
+
+    @router.get(f"/dashboard/{name}", response_class=Response,
+                responses=openapi.static_file(media_type.split(";")[0], f"the dashboard's {name}"))
     async def asset():
         return Response(body, media_type=media_type, headers=HEADERS)
+
+
+for _name, _media_type in FILES.items():
+    _asset_route(_name, _media_type)

@@ -7,7 +7,9 @@ to the envelope), so FastAPI cannot see the request models: `request_body` names
 route's `openapi_extra`, and `build` copies their JSON schemas into the components. Limits of the
 served model (context length, vocabulary) are written into the schemas, so what the document
 allows is what the server accepts; the one limit a schema cannot state is the sum of prompt
-tokens and `max_tokens` against the context, which the descriptions say.
+tokens and `max_tokens` against the context, which the descriptions say. Routes are declared once
+for every app: the /v1/ routes list a 401, which `build` keeps, with the bearer scheme, only when
+the server has an API key.
 """
 
 from __future__ import annotations
@@ -260,10 +262,10 @@ ENGINE_STATE_QUERY = {"parameters": [{
     "schema": {"type": "integer", "minimum": 0}}]}
 
 
-def engine_state_responses(auth: bool) -> dict:
+def engine_state_responses() -> dict:
     return {200: {"model": EngineState, "description": "the snapshot"},
             400: {"model": ErrorResponse, "description": "`since` is not a step number"},
-            **errors(*([401] if auth else []), 503)}
+            **errors(401, 503)}
 
 
 def static_file(media_type: str, what: str) -> dict:
@@ -299,13 +301,12 @@ def errors(*statuses: int) -> dict:
     return out
 
 
-def generation_responses(model: type[BaseModel], chunk: type[BaseModel], auth: bool,
-                         headers: dict | None = None) -> dict:
+def generation_responses(model: type[BaseModel], chunk: type[BaseModel], headers: dict | None = None) -> dict:
     ok = {"model": model, "description": "the completion (JSON), or its chunks (SSE) when `stream` is true",
           "content": _sse(chunk.__name__)}
     if headers:
         ok["headers"] = headers
-    return {200: ok, **errors(400, *([401] if auth else []), 404, 413, 429, 500, 503)}
+    return {200: ok, **errors(400, 401, 404, 413, 429, 500, 503)}
 
 
 def request_body(model: type[BaseModel]) -> dict:
@@ -342,9 +343,12 @@ def build(app, max_model_len: int, vocab_size: int | None, auth: bool) -> dict:
                            token_ids, {"type": "array", "items": token_ids, "minItems": 1}]
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        for path, ops in doc["paths"].items():
-            if path.startswith("/v1/"):
-                for op in ops.values():
+    for path, ops in doc["paths"].items():
+        if path.startswith("/v1/"):  # the routes that ask for the key, and document its 401
+            for op in ops.values():
+                if auth:
                     op["security"] = [{"bearer": []}]
+                else:
+                    op["responses"].pop("401", None)
     return doc
 

@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions: messages rendered by a chat template into one prompt, answered by n
+assistant messages, or by tool calls when `tools` constrain the reply to them.
+
+    body ─► the output's constraint (constraints.py) ─► the chat template renders the messages
+    (and the tools) ─► token ids ─► max_tokens (default: the rest of the context, or the server's
+    default within it) ─► SamplingParams ─► ChatServing (serving.py)
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxserve.entrypoints.app_state import ServedModel
+from jaxserve.entrypoints.chat_template import HEADER
+from jaxserve.entrypoints.choice import Choice
+from jaxserve.entrypoints.constraints import ToolCalls, constraint
+from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest
+from jaxserve.entrypoints.serving import Serving, sampling_params
+
+
+async def create_chat_completion(http_request: Request, body: ChatCompletionRequest, arrival: float) -> Response:
+    """Answers a parsed chat request (400 / 404 / 429 / 503 before any byte is sent); the
+    response's HEADER names the chat template used."""
+    state = http_request.app.state
+    model, default_max_tokens = state.model, state.options.default_max_tokens
+    model.check_model(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    structured, tool_calls = constraint(body, chat=True)
+    text, source = _render(model, body, tool_calls)
+    prompt = model.truncate(model.encode(text, bool(body.add_special_tokens)), body.truncate_prompt_tokens)
+    if not prompt:
+        raise ApiError(400, "the rendered chat is empty", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens or model.max_model_len, model.room(len(prompt)))
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             model.info.vocab_size, structured)
+    serving = ChatServing(http_request, body, [prompt], params, tool_calls, arrival)
+    return await serving.respond({HEADER: source})
+
+
+def _render(model: ServedModel, body: ChatCompletionRequest, tool_calls: ToolCalls | None) -> tuple[str, str]:
+    """The chat as the prompt's text, and which template rendered it."""
+    messages = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    variables = body.chat_template_kwargs
+    if body.tools and tool_calls is not None:  # templates that know tools describe them to the model
+        variables = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools],
+                     **(variables or {})}
+    try:
+        return model.templates.render(messages, body.add_generation_prompt is not False, body.chat_template,
+                                      variables)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages")
+
+
+class ChatServing(Serving):
+    """A chat completion's choices: assistant messages (or tool calls), streamed as deltas."""
+
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, http_request: Request, body: ChatCompletionRequest, prompts: list[list[int]], params,
+                 tool_calls: ToolCalls | None, arrival: float):
+        """`tool_calls`: the reply is constrained to tool calls, read back from its text."""
+        super().__init__(http_request, body, prompts, params, bool(body.logprobs), arrival)
+        self.tool_calls = tool_calls
+
+    def final_choice(self, index: int) -> dict:
+        c = self.choices[index]
+        message, finish = self._message(c)
+        return {"index": index, "message": message,
+                "logprobs": _logprobs(c, 0, c.num_tokens) if self.logprobs else None, "finish_reason": finish}
+
+    def delta_choice(self, index: int, text: str, start: int, end: int) -> dict:
+        c = self.choices[index]
+        logprobs = _logprobs(c, start, end) if self.logprobs else None
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
+
+    def opening_choice(self, index: int) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def choice_chunk(self, index: int) -> dict | None:
+        if self.tool_calls is not None:
+            return self._tool_calls_chunk(index)
+        return super().choice_chunk(index)
+
+    def _tool_calls_chunk(self, index: int) -> dict | None:
+        """A streamed reply constrained to tool calls: held back, then its calls in one delta."""
+        c = self.choices[index]
+        if c.finish_reason is None:
+            return None
+        message, finish = self._message(c)
+        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
+                 if "tool_calls" in message else {"content": message["content"]})
+        start, c.emitted_tokens = c.emitted_tokens, c.num_tokens
+        logprobs = _logprobs(c, start, c.num_tokens) if self.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def _message(self, c: Choice) -> tuple[dict, str | None]:
+        """A choice's message and finish reason: its text, or its tool calls when the reply was
+        constrained to them (and is complete JSON)."""
+        calls = self.tool_calls.parse(c.final_text) if self.tool_calls is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": c.final_text}, c.finish_reason
+        return ({"role": "assistant", "content": None, "tool_calls": calls},
+                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+
+
+def _logprobs(c: Choice, start: int, end: int) -> dict:
+    """Chat logprobs of tokens start..end, each with its alternatives."""
+    def entry(text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(c.pieces[i], c.logprobs[i]),
+                         "top_logprobs": [entry(t, v) for t, v in c.tops[i]]} for i in range(start, end)]}
