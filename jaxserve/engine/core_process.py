@@ -8,8 +8,10 @@
                                       finish reason and timings once done; engine stats
 
 The core does nothing but schedule and step: prompts arrive as token ids, and token ids go back;
-text is encoded and decoded in the API process, so neither tokenizer work nor HTTP handling takes
-the engine's time or its GIL. Messages are pickled tuples over ZMQ sockets on local IPC paths;
+text is encoded and decoded in the API process, so neither HTTP handling nor the text of the
+replies takes the engine's time or its GIL. Only requests with stop strings are detokenized here
+too, so that they end at the step their text holds one (`OutputProcessor`, the same code the API
+process cuts the text with). Messages are pickled tuples over ZMQ sockets on local IPC paths;
 one message per step keeps the per-token cost out of the channel. Finished requests are released
 from the engine as soon as their last output is sent, so nothing is kept. `call` runs any picklable
 `fn(engine, *args)` on the loop and sends its result back: stats, tests, and the JSON snapshot
