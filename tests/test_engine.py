@@ -388,3 +388,45 @@ def test_describe_says_what_start_up_resolved(llama_dir):
     assert roomy[3].endswith("max_model_len 4096 (the model's context)")
     asked = Engine(long, weights, tokenizer, config.replace(max_model_len=256)).describe().splitlines()
     assert asked[3].endswith("max_model_len 256 (asked for)")
+
+
+def test_no_step_program_branches_on_a_value_the_device_computes(engine, monkeypatch):
+    """On accelerators a conditional's predicate is copied to the host and waited for, so the step
+    programs there hold none: the host picks each batch's sampling program, and what is left inside
+    one is a select. (On the CPU, where a conditional costs nothing, the sampler keeps them.)"""
+    from jaxserve.worker import sampling
+    monkeypatch.setattr(sampling, "conditionals_skip_work", lambda: False)
+    runner = engine.runner
+    keys = runner.all_programs()
+    assert {k[2] for k in keys if k[0] == "sample"} == {"greedy", "random", "cuts"}
+    for key in keys:
+        jitted, args = runner.program(key)
+        text = jitted.lower(*args).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text, key
+    monkeypatch.setattr(sampling, "conditionals_skip_work", lambda: True)
+    jitted, args = runner.program(("sample", runner.buckets.row_sizes[0], "cuts"))
+    assert "stablehlo.case" in jitted.lower(*args).as_text()  # the check can see a conditional
+
+
+def _host_bytes(obj) -> int:
+    """Bytes of every host array in a step's inputs (nested dataclasses walked)."""
+    if dataclasses.is_dataclass(obj):
+        return sum(_host_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return obj.nbytes if isinstance(obj, np.ndarray) else 0
+
+
+def test_what_a_step_copies_to_the_device_does_not_grow_with_max_model_len(llama_dir, monkeypatch):
+    """The same requests under a context 4x longer copy the same bytes per step: the block tables
+    stay on the device, and a step brings only the entries written since the last one."""
+    copied = {}
+    for max_model_len in (128, 512):
+        eng = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=4, page_size=8, num_pages=80,
+                                                             max_model_len=max_model_len, dtype="float32"))
+        sizes = copied[max_model_len] = []
+        real = eng.runner.dispatch
+        monkeypatch.setattr(eng.runner, "dispatch", lambda batch, logprobs=False: (
+            sizes.append(_host_bytes(batch)), real(batch, logprobs))[1])
+        eng.generate([list(range(3, 3 + n)) for n in (5, 20, 33)], SamplingParams(max_tokens=12, temperature=0,
+                                                                                  ignore_eos=True))
+        assert eng.runner.block_tables.shape[-1] == max_model_len // 8
+    assert copied[128] == copied[512] and len(copied[128]) > 10
