@@ -430,3 +430,36 @@ def test_what_a_step_copies_to_the_device_does_not_grow_with_max_model_len(llama
                                                                                   ignore_eos=True))
         assert eng.runner.block_tables.shape[-1] == max_model_len // 8
     assert copied[128] == copied[512] and len(copied[128]) > 10
+
+
+def test_block_table_entries_lost_with_a_failed_step_are_sent_again(own_pool_engine, engine, monkeypatch):
+    """The first step fails before its block-table entries reach the device (the pool untouched):
+    its one prompt chunk's request ends with `error`, and the three admitted beside it, whose
+    entries that step carried too, still get a fresh engine's greedy tokens."""
+    small = own_pool_engine.with_strategy("paged", max_num_batched_tokens=16)
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((30, 21, 9, 17))]
+    work = {small.add_request(q, GREEDY): q for q in prompts}
+    real, calls = small.runner.programs.get, []
+
+    def executable(key):
+        program = real(key)
+        if key[0] != "tables":
+            return program
+
+        def run(tables, updates):
+            calls.append(key)
+            if len(calls) == 1:
+                raise RuntimeError("the device refused the table entries")
+            return program(tables, updates)
+        return run
+    monkeypatch.setattr(small.runner.programs, "get", executable)
+    errors = set()
+    while small.has_unfinished():
+        errors |= {r.request_id for r in small.step() if r.finish_reason.value == "error"}
+    assert len(errors) == 1 and len(calls) > 1
+    rest = [i for i in work if i not in errors]
+    reference = engine.with_strategy("paged").generate([work[i] for i in rest], GREEDY)
+    assert [small.output(i).token_ids for i in rest] == [o.token_ids for o in reference]
+    for i in work:
+        small.release(i)
+    assert_idle(small)

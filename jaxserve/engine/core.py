@@ -122,6 +122,8 @@ class EngineCore:
             if self.runner.recover():  # a zeroed pool: no computed token or cached page is in it any more
                 finished += self.scheduler.preempt_all()
                 self.blocks.reset_prefix_cache()
+            else:  # the block-table entries this step carried may not have reached the device: send all again
+                self.scheduler.rewrite_tables()
         self.idle = schedule.empty and self._in_flight is None
         return finished
 

@@ -55,6 +55,11 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.windows)
 
+    @property
+    def has_windows(self) -> bool:
+        """Whether some group is a sliding window (only those drop pages as sequences grow)."""
+        return any(w is not None for w in self.windows)
+
     def _table_len(self, group: int, computed: int, end: int) -> int:
         """Entries group `group` needs to hold tokens up to `end` of a request that computed `computed`."""
         window = self.windows[group]

@@ -167,16 +167,19 @@ class Scheduler:
         return Schedule(tokens, admitted, preempted, {r for r, n in tokens.items() if n == r.num_uncomputed_tokens})
 
     def _fill_budget(self) -> dict[Request, int]:
-        budget = self.config.max_num_batched_tokens
         tokens: dict[Request, int] = {}
-        for request in self.running:  # decodes: at most max_slots <= budget of them
-            if request.num_uncomputed_tokens == 1 and not request.stopping:
-                tokens[request] = 1
-                budget -= 1
-        for request in self.running:  # then prompt chunks, in admission order
+        chunks = []
+        for request in self.running:  # decodes first: at most max_slots <= budget of them
             left = request.num_uncomputed_tokens
-            if left <= 1 or budget == 0:
-                continue
+            if left == 1:
+                if not request.stopping:
+                    tokens[request] = 1
+            elif left > 1:
+                chunks.append((request, left))
+        budget = self.config.max_num_batched_tokens - len(tokens)
+        for request, left in chunks:  # then prompt chunks, in admission order
+            if budget == 0:
+                break
             if left > budget and not self.config.enable_chunked_prefill:
                 break  # whole prompts only: this one and those behind it wait for a step with room
             tokens[request] = min(left, budget)
@@ -186,14 +189,18 @@ class Scheduler:
     def _grow_running(self) -> list[Request]:
         """Frees what sliding windows left behind, then gives each running sequence the pages its
         tokens need; preempts the newest when out."""
-        for request in self.running:
-            dropped = self.kv.drop_out_of_window(request)
-            if dropped:
-                self.table.write_null(request.slot, dropped)
+        if self.kv.has_windows:
+            for request in self.running:
+                dropped = self.kv.drop_out_of_window(request)
+                if dropped:
+                    self.table.write_null(request.slot, dropped)
         preempted = []
+        page_size = self.blocks.page_size
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.stopping:
                 continue  # preempted earlier in this loop, or its last token is sampled
+            if request.num_tokens <= min(map(len, request.pages)) * page_size:
+                continue  # every group's table reaches past its tokens: no page to add (most steps)
             needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens,
                                           request.num_tokens)
             while needed > 0 and not self.blocks.can_allocate(needed):
@@ -265,9 +272,12 @@ class Scheduler:
     def _cache_computed_pages(self, request: Request) -> None:
         """Records the request's pages that are now full of computed tokens known on the host in
         the prefix cache."""
+        if not self.blocks.enable_caching or request.num_computed_tokens // self.blocks.page_size <= \
+                request.num_cached_pages:
+            return  # no page filled since (the common case, checked first: this runs per request per step)
         known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
         full = known // self.blocks.page_size
-        if not self.blocks.enable_caching or full <= request.num_cached_pages:
+        if full <= request.num_cached_pages:
             return
         hashes = self._page_hashes(request, full)
         self.kv.cache_pages(request, hashes, request.num_cached_pages)
@@ -296,6 +306,12 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def rewrite_tables(self) -> None:
+        """Records every entry of the running requests' block tables again (after a failed step,
+        whose entries may not have reached the device)."""
+        for request in self.running:
+            self.table.write_pages(request.slot, request)
 
     def preempt_all(self) -> list[Request]:
         """Preempts every running request, for when the pool's K/V are gone: each is recomputed
@@ -337,10 +353,11 @@ class Scheduler:
         finished = []
         now = self.clock()
         eos = self.config.eos_token_ids
+        tokens = tokens.tolist()  # Python ints, once
         for i, request in enumerate(schedule.num_tokens):
             if request not in schedule.sampling or request.finished:
                 continue  # a prompt chunk that is not the last, or aborted meanwhile
-            token = int(tokens[i])
+            token = tokens[i]
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
             if logprobs is not None:
