@@ -12,7 +12,7 @@ from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.worker.sampling import SamplingBatch
-from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step, table_metadata
 
 PAGE = 8
 
@@ -21,10 +21,11 @@ def run_chunk(model, pool, table, start, tokens, bucket, backend="reference"):
     """One step of one sequence: `tokens` at positions start.. through the pool, padded to `bucket`
     tokens (one shape, so one compile, for every step of a sequence). Returns (logits [len(tokens), V], pool)."""
     greedy = SamplingBatch(*(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
-    batch = build_step([ScheduledSeq(0, start, list(tokens))], table, greedy, PAGE,
+    batch = build_step([ScheduledSeq(0, start, list(tokens))], greedy, PAGE,
                        StepBuckets(max_tokens=bucket, max_seqs=1, min_rows=bucket))
+    meta = table_metadata(batch.meta, table, batch.seq_slots, batch.token_seq_slots, PAGE)
     graphdef, state = nnx.split(model)
-    logits, pool = _forward(graphdef, backend, state, batch.tokens, pool, batch.meta)
+    logits, pool = _forward(graphdef, backend, state, batch.tokens, pool, meta)
     return np.asarray(logits[: len(tokens)]), pool
 
 

@@ -388,3 +388,78 @@ def test_describe_says_what_start_up_resolved(llama_dir):
     assert roomy[3].endswith("max_model_len 4096 (the model's context)")
     asked = Engine(long, weights, tokenizer, config.replace(max_model_len=256)).describe().splitlines()
     assert asked[3].endswith("max_model_len 256 (asked for)")
+
+
+def test_no_step_program_branches_on_a_value_the_device_computes(engine, monkeypatch):
+    """On accelerators a conditional's predicate is copied to the host and waited for, so the step
+    programs there hold none: the host picks each batch's sampling program, and what is left inside
+    one is a select. (On the CPU, where a conditional costs nothing, the sampler keeps them.)"""
+    from jaxserve.worker import sampling
+    monkeypatch.setattr(sampling, "conditionals_skip_work", lambda: False)
+    runner = engine.runner
+    keys = runner.all_programs()
+    assert {k[2] for k in keys if k[0] == "sample"} == {"greedy", "random", "cuts"}
+    for key in keys:
+        jitted, args = runner.program(key)
+        text = jitted.lower(*args).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text, key
+    monkeypatch.setattr(sampling, "conditionals_skip_work", lambda: True)
+    jitted, args = runner.program(("sample", runner.buckets.row_sizes[0], "cuts"))
+    assert "stablehlo.case" in jitted.lower(*args).as_text()  # the check can see a conditional
+
+
+def _host_bytes(obj) -> int:
+    """Bytes of every host array in a step's inputs (nested dataclasses walked)."""
+    if dataclasses.is_dataclass(obj):
+        return sum(_host_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return obj.nbytes if isinstance(obj, np.ndarray) else 0
+
+
+def test_what_a_step_copies_to_the_device_does_not_grow_with_max_model_len(llama_dir, monkeypatch):
+    """The same requests under a context 4x longer copy the same bytes per step: the block tables
+    stay on the device, and a step brings only the entries written since the last one."""
+    copied = {}
+    for max_model_len in (128, 512):
+        eng = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=4, page_size=8, num_pages=80,
+                                                             max_model_len=max_model_len, dtype="float32"))
+        sizes = copied[max_model_len] = []
+        real = eng.runner.dispatch
+        monkeypatch.setattr(eng.runner, "dispatch", lambda batch, logprobs=False: (
+            sizes.append(_host_bytes(batch)), real(batch, logprobs))[1])
+        eng.generate([list(range(3, 3 + n)) for n in (5, 20, 33)], SamplingParams(max_tokens=12, temperature=0,
+                                                                                  ignore_eos=True))
+        assert eng.runner.block_tables.shape[-1] == max_model_len // 8
+    assert copied[128] == copied[512] and len(copied[128]) > 10
+
+
+def test_block_table_entries_lost_with_a_failed_step_are_sent_again(own_pool_engine, engine, monkeypatch):
+    """The first step fails before its block-table entries reach the device (the pool untouched):
+    its one prompt chunk's request ends with `error`, and the three admitted beside it, whose
+    entries that step carried too, still get a fresh engine's greedy tokens."""
+    small = own_pool_engine.with_strategy("paged", max_num_batched_tokens=16)
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((30, 21, 9, 17))]
+    work = {small.add_request(q, GREEDY): q for q in prompts}
+    real, calls = small.runner.programs.get, []
+
+    def executable(key):
+        program = real(key)
+        if key[0] != "tables":
+            return program
+
+        def run(tables, updates):
+            calls.append(key)
+            if len(calls) == 1:
+                raise RuntimeError("the device refused the table entries")
+            return program(tables, updates)
+        return run
+    monkeypatch.setattr(small.runner.programs, "get", executable)
+    errors = set()
+    while small.has_unfinished():
+        errors |= {r.request_id for r in small.step() if r.finish_reason.value == "error"}
+    assert len(errors) == 1 and len(calls) > 1
+    rest = [i for i in work if i not in errors]
+    reference = engine.with_strategy("paged").generate([work[i] for i in rest], GREEDY)
+    assert [small.output(i).token_ids for i in rest] == [o.token_ids for o in reference]
+    for i in work:
+        small.release(i)
+    assert_idle(small)

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.worker.sampling import (SamplingBatch, _draw_filtered, _filter, _top_k_or_vocab, _window_cuts, argmax,
-                               categorical, row_uniforms, sample, token_logprobs)
+from jaxserve.worker import sampling
+from jaxserve.worker.sampling import (MODES, SamplingBatch, _draw_filtered, _filter, _top_k_or_vocab, _window_cuts,
+                                      argmax, categorical, row_uniforms, sample, sampling_mode, token_logprobs)
 
 
 def batch(n, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
@@ -31,6 +32,56 @@ def test_greedy_rows_ignore_seed_and_sampled_rows_follow_it():
     jitted = jax.jit(sample)
     draws = [np.asarray(jitted(logits, batch(4, temperature=1.0, seed=7), jnp.full(4, p))) for p in range(20)]
     assert len({d.tobytes() for d in draws}) > 1  # the key moves with the position
+
+
+def mixed(rows: list[dict]) -> SamplingBatch:
+    """A batch of one row per dict (fields of `batch`, defaults elsewhere); seeds 0, 1, ..."""
+    one = [batch(1, **row) for row in rows]
+    return SamplingBatch(*(np.concatenate([getattr(b, f) for b in one]) for f in
+                           ("temperature", "top_k", "top_p", "min_p")), np.arange(len(rows), dtype=np.uint32))
+
+
+def test_the_host_picks_the_mode_each_batch_needs():
+    assert sampling_mode(mixed([{}, {}]), 50) == "greedy"
+    assert sampling_mode(mixed([{"top_p": 0.5}, {}]), 50) == "greedy"  # greedy rows cut nothing
+    assert sampling_mode(mixed([{}, {"temperature": 0.7}]), 50) == "random"
+    assert sampling_mode(mixed([{"temperature": 0.7, "top_k": 50}]), 50) == "random"  # the whole vocabulary
+    for cut in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}):
+        assert sampling_mode(mixed([{"temperature": 0.7}, {**cut}]), 50) == "cuts", cut
+
+
+SAMPLED_ROWS = [{}, {"temperature": 0.7}, {"temperature": 1.3, "top_k": 3}, {"temperature": 1.0, "top_p": 0.6},
+                {"temperature": 0.9, "min_p": 0.2}, {"temperature": 1.0, "top_k": 9999}]
+BATCHES = [[{}, {}], SAMPLED_ROWS[:2], SAMPLED_ROWS[:3], [{}, SAMPLED_ROWS[4]], SAMPLED_ROWS]
+
+
+@pytest.mark.parametrize("selects", [False, True], ids=["conditionals", "selects"])
+def test_every_mode_and_form_draws_what_the_full_sampler_draws(monkeypatch, selects):
+    """A batch's tokens are the same in the mode the host picks for it as in "cuts" (which covers
+    every row, run with the CPU's conditionals), and with the accelerators' selects too."""
+    logits = jnp.asarray(np.random.RandomState(3).randn(len(SAMPLED_ROWS), 300).astype(np.float32))
+    cases = [(mixed(rows), logits[:len(rows)], jnp.arange(len(rows))) for rows in BATCHES]
+    expected = [np.asarray(sample(x, params, positions)) for params, x, positions in cases]
+    assert {sampling_mode(params, 300) for params, _, _ in cases} == set(MODES)
+    monkeypatch.setattr(sampling, "conditionals_skip_work", lambda: not selects)
+    for (params, x, positions), tokens in zip(cases, expected):
+        np.testing.assert_array_equal(sample(x, params, positions, mode=sampling_mode(params, 300)), tokens)
+
+
+@pytest.mark.parametrize("selects", [False, True], ids=["conditionals", "selects"])
+def test_a_constrained_row_draws_only_allowed_tokens_and_the_others_are_untouched(monkeypatch, selects):
+    monkeypatch.setattr(sampling, "conditionals_skip_work", lambda: not selects)
+    logits = jnp.asarray(np.random.RandomState(4).randn(3, 70).astype(np.float32))
+    params, positions = mixed([{}, {"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.9}]), jnp.arange(3)
+    allowed = np.full((3, 3), -1, np.int32)  # 70 tokens: 3 words of 32 bits
+    allowed[0] = allowed[1] = [0, 1 << 1, 0]  # only token 33
+    allowed[1, 2] = 1 << 3  # ... or token 67
+    free = np.asarray(sample(logits, params, positions))
+    for mode in ("cuts", sampling_mode(params, 70)):
+        tokens = np.asarray(sample(logits, params, positions, allowed=jnp.asarray(allowed), mode=mode))
+        assert tokens[0] == 33 and tokens[1] in (33, 67) and tokens[2] == free[2]
+    everything = np.full((3, 3), -1, np.int32)
+    np.testing.assert_array_equal(sample(logits, params, positions, allowed=jnp.asarray(everything)), free)
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():

@@ -62,7 +62,8 @@ def test_paged_admits_as_many_as_pages_allow():
     assert tokens(s) == {"a": 5, "b": 8, "c": 4, "d": 3} and ids(s.admitted) == ["a", "b", "c", "d"]
     assert blocks.free_pages == 2
     assert [r.pages for r in s.admitted] == [[[1, 2]], [[3, 4]], [[5]], [[6]]]  # one KV-cache group
-    assert sched.table.block_tables[s.admitted[1].slot, 0, :2].tolist() == [3, 4]
+    slot, group, index, page = sched.table.take_updates().T  # what the device's tables receive
+    assert page[(slot == s.admitted[1].slot) & (group == 0) & (index < 2)].tolist() == [3, 4]
 
 
 def test_paged_stops_admitting_when_pages_run_out():

@@ -78,7 +78,7 @@ def test_a_second_engine_loads_every_program_from_the_cache(warm, llama_dir):
 def test_a_changed_config_reuses_no_program(warm, llama_dir, change):
     other = Engine.from_pretrained(llama_dir, CONFIG.replace(**change))
     assert other.runner.cache.fingerprint != warm.runner.cache.fingerprint
-    assert other.runner.cache.load("sample-2") is None and other.runner.cache.rejected == 0
+    assert other.runner.cache.load("sample-2-greedy") is None and other.runner.cache.rejected == 0
 
 
 def test_a_corrupt_or_truncated_entry_is_logged_and_recompiled(warm, llama_dir, cache_dir, caplog):
@@ -126,13 +126,13 @@ def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_neve
     # A load marks its entry used: the older configuration, just loaded from, outlives a newer one.
     folder = str(tmp_path / "used")
     os.makedirs(folder)
-    real = os.path.join(cache_dir, "compiled", f"{warm.runner.cache.fingerprint}-sample-2.bin")
-    for name, used in [(os.path.basename(real), 10), ("zzz-sample-2.bin", 20)]:
+    real = os.path.join(cache_dir, "compiled", f"{warm.runner.cache.fingerprint}-sample-2-greedy.bin")
+    for name, used in [(os.path.basename(real), 10), ("zzz-sample-2-greedy.bin", 20)]:
         shutil.copyfile(real, os.path.join(folder, name))
         os.utime(os.path.join(folder, name), (used, used))
     reader = copy.copy(warm.runner.cache)
     reader.folder = folder
-    assert reader.load("sample-2") is not None
+    assert reader.load("sample-2-greedy") is not None
     cache = ExecutableCache(folder, "a third configuration", jax.devices()[:1], max_bytes=os.path.getsize(real))
     assert cache.pruned == ["zzz"] and os.listdir(folder) == [os.path.basename(real)]
 

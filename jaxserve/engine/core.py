@@ -122,6 +122,8 @@ class EngineCore:
             if self.runner.recover():  # a zeroed pool: no computed token or cached page is in it any more
                 finished += self.scheduler.preempt_all()
                 self.blocks.reset_prefix_cache()
+            else:  # the block-table entries this step carried may not have reached the device: send all again
+                self.scheduler.rewrite_tables()
         self.idle = schedule.empty and self._in_flight is None
         return finished
 
@@ -131,8 +133,8 @@ class EngineCore:
                              r.token_ids(r.num_computed_tokens, r.num_computed_tokens + n), schedule.samples(r))
                 for r, n in schedule.num_tokens.items()]
         table = self.scheduler.table
-        batch = build_step(seqs, table.block_tables, SamplingBatch.from_table(table), self.config.page_size,
-                           self.runner.buckets, self.runner.replicas)
+        batch = build_step(seqs, SamplingBatch.from_table(table), self.config.page_size, self.runner.buckets,
+                           self.runner.replicas, table.take_updates())
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
         if constrained:

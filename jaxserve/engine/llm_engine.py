@@ -102,7 +102,7 @@ class Engine:
             f"({'num_pages asked for' if config.num_pages else self.reasons.kv_budget}); "
             f"max_model_len {self.max_model_len} ({self.reasons.max_model_len})",
             f"{len(runner.all_programs())} step programs: the layers per token bucket ({len(buckets.token_sizes)}, "
-            f"up to {buckets.max_tokens} tokens), the output layer and sampling per row bucket "
+            f"up to {buckets.max_tokens} tokens), the output layer and sampling per row bucket and sampling mode "
             f"({len(buckets.row_sizes)}, up to {buckets.max_rows} sequences), from {buckets.min_rows} "
             f"row{'s (a one-row step is slower here than a two-row one)' if buckets.min_rows > 1 else ''}",
             f"async scheduling {'on' if config.overlaps_steps else 'off'}"

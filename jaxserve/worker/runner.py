@@ -4,10 +4,15 @@ decides what runs.
 
 Each step also keeps every sampling slot's token on the device (`slot_tokens`), and a token the
 host does not have yet is read from there: so step N+1 can be dispatched before step N's tokens
-reach the host, and the host's scheduling overlaps the device's work.
+reach the host, and the host's scheduling overlaps the device's work. The slot table's block
+tables live on the device too (`block_tables`, [slots, G, W]): a step brings only the entries
+written since the last one (a few per page crossed), and the forward program reads each
+sequence's rows there, so what the host builds and copies per step never grows with
+max_model_len.
 
 A step is three compiled programs: the model's layers (`forward`) per token bucket of
-`StepBuckets`, then the output layer and the sampler (`sample`), and `logprobs` when a request
+`StepBuckets`, then the output layer and the sampler (`sample`, in each sampling mode: the host
+picks the one the batch needs, so no branch waits on the device), and `logprobs` when a request
 asks, per row bucket. What runs per token and what runs per sampled row are compiled apart, so
 the programs add up (token buckets + row buckets) rather than multiply, and a prompt chunk alone
 pays for the output layer on its one row. Every program is compiled ahead of time and counted,
@@ -21,6 +26,7 @@ their shardings, step inputs are split by data-parallel replica, and attention r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -36,8 +42,11 @@ from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.worker.sampling import SamplingBatch, sample, token_logprobs
-from jaxserve.worker.step_batch import StepBatch, StepBuckets
+from jaxserve.worker.sampling import MODES, SamplingBatch, sample, sampling_mode, token_logprobs
+from jaxserve.worker.step_batch import StepBatch, StepBuckets, table_metadata
+
+
+TABLE_UPDATES = 256  # block-table entries one program writes: a step with more runs it again
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +115,7 @@ class Runner:
         self.slot_tokens = self._zeros_slot_tokens()  # [max_slots] each slot's last sampled token
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         self.kv_groups = kv_groups(model.cfg)  # a block table per group and sequence
+        self.block_tables = self._zeros_tables()  # [max_slots, G, W] every slot's block tables
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
         # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there.
         one_row_trap = jax.default_backend() == "cpu" and self.dtype == "bfloat16"
@@ -140,14 +150,17 @@ class Runner:
 
     def _dispatch(self, batch: StepBatch, logprobs: bool) -> InFlight:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
-        pool, slot_tokens, *inputs = self.step_args(batch)
-        tokens_in, token_slots, meta, logits_indices, sampling, positions, sample_slots, allowed = inputs
+        write_tables = self.programs.get(("tables", TABLE_UPDATES))
+        for start in range(0, len(batch.table_updates), TABLE_UPDATES):
+            self.block_tables = write_tables(self.block_tables, self._updates_chunk(batch.table_updates, start))
+        pool, slot_tokens, block_tables, *inputs = self.step_args(batch)
+        forward_inputs, (sampling, positions, sample_slots, allowed) = inputs[:6], inputs[6:]
         forward = self.programs.get(("forward", tokens))
-        self.kv_pool, hidden = forward(self.state_for(("forward", tokens)), pool, slot_tokens, tokens_in, token_slots,
-                                       meta, logits_indices)
-        sample_step = self.programs.get(("sample", rows))
-        self.slot_tokens, next_tokens, logits = sample_step(self.state_for(("sample", rows)), self.slot_tokens, hidden,
-                                                            sampling, positions, sample_slots, allowed)
+        self.kv_pool, hidden = forward(self.state_for(("forward", tokens)), pool, slot_tokens, block_tables,
+                                       *forward_inputs)
+        key = ("sample", rows, sampling_mode(batch.sampling, self.model_config.vocab_size))
+        self.slot_tokens, next_tokens, logits = self.programs.get(key)(
+            self.state_for(key), self.slot_tokens, hidden, sampling, positions, sample_slots, allowed)
         out = (next_tokens,)
         if logprobs:
             out += tuple(self.programs.get(("logprobs", rows))(logits, next_tokens))
@@ -163,20 +176,28 @@ class Runner:
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
     def step_args(self, batch: StepBatch) -> tuple:
-        """The step's arguments for `batch` but the weights (`state_for`): pool, slot tokens, then
-        the batch's arrays."""
-        inputs = (batch.tokens, batch.token_slots, batch.meta, batch.logits_indices, batch.sampling,
-                  batch.sample_positions, batch.sample_slots)
+        """The step's arguments for `batch` but the weights (`state_for`) and its table updates:
+        pool, slot tokens, block tables, then the batch's arrays."""
+        inputs = (batch.tokens, batch.token_slots, batch.meta, batch.seq_slots, batch.token_seq_slots,
+                  batch.logits_indices, batch.sampling, batch.sample_positions, batch.sample_slots)
         if self.mesh is not None:
             inputs = self._place(inputs)
         allowed = self._all_allowed(len(batch.sample_slots)) if batch.allowed is None else \
             self._place_rows(batch.allowed)
-        return (self.kv_pool, self.slot_tokens, *inputs, allowed)
+        return (self.kv_pool, self.slot_tokens, self.block_tables, *inputs, allowed)
+
+    def _updates_chunk(self, updates: np.ndarray, start: int):
+        """Rows start.. of the table updates [n, 4], padded to TABLE_UPDATES with rows that drop
+        (slot max_slots), on the device."""
+        chunk = np.full((TABLE_UPDATES, 4), self.config.max_slots, np.int32)
+        part = updates[start: start + TABLE_UPDATES]
+        chunk[: len(part)] = part
+        return jax.device_put(chunk) if self.mesh is None else sharding.place(chunk, sharding.replicated(self.mesh))
 
     def state_for(self, key: tuple):
         """The weights the program `key` runs on: the model's, or their copy in the dtype
         `config.program_dtypes` gives it."""
-        return self.states[self._program_dtype.get(key, self.dtype)]
+        return self.states[self._program_dtype.get(key[:2], self.dtype)]
 
     def _all_allowed(self, rows: int) -> jax.Array:
         """The mask [rows, M] that allows every token, kept on the device per row bucket: a step
@@ -196,26 +217,39 @@ class Runner:
 
     # ---- the three programs of a step ----
 
-    def _forward(self, state, kv_pool, slot_tokens, tokens, token_slots, meta: StepMetadata, logits_indices):
+    def _forward(self, state, kv_pool, slot_tokens, block_tables, tokens, token_slots, meta: StepMetadata,
+                 seq_slots, token_seq_slots, logits_indices):
         """K/V of every token into the pool; the final hidden states [W, D] of each sequence's last
         token (rows logits_indices [W], a replica's slice after another's)."""
         model = nnx.merge(self.graphdef, state)
+        meta = table_metadata(meta, block_tables, seq_slots, token_seq_slots, self.config.page_size)
         tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], tokens)
         hidden, kv_pool = model.hidden_states(tokens, kv_pool, meta, attend=self.attend, rows=logits_indices)
         return kv_pool, hidden
 
-    def _sample(self, state, slot_tokens, hidden, sampling: SamplingBatch, positions, sample_slots, allowed):
+    def _sample(self, mode: str, state, slot_tokens, hidden, sampling: SamplingBatch, positions, sample_slots,
+                allowed):
         """The logits [R, V] of each replica's first R rows of hidden, and one token per row [R],
         drawn among the tokens allowed [R, M] permits; each sampling row's token also kept in its
         slot for the next step. The logits returned (for logprobs) are the model's, unmasked."""
         rows = sample_slots.shape[0] // self.replicas
         hidden = hidden.reshape(self.replicas, -1, hidden.shape[-1])[:, :rows].reshape(-1, hidden.shape[-1])
         logits = nnx.merge(self.graphdef, state).logits(hidden)
-        next_tokens = sample(logits, sampling, positions=positions, allowed=allowed)
+        next_tokens = sample(logits, sampling, positions=positions, allowed=allowed, mode=mode)
         return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens, logits
 
     def _logprobs(self, logits, tokens):
         return token_logprobs(logits, tokens, self.config.num_logprobs)
+
+    def _write_tables(self, block_tables, updates):
+        """block_tables [slots, G, W] with the entries of updates [U, 4] (slot, group, index, page)
+        written; rows of slot max_slots are padding and drop."""
+        slot, group, index, page = updates.T
+        return block_tables.at[slot, group, index].set(page, mode="drop")
+
+    def _zeros_tables(self):
+        zeros = np.zeros((self.config.max_slots, self.kv_groups.num_groups, self.pages_per_seq), np.int32)
+        return jax.device_put(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
 
     def _zeros_slot_tokens(self):
         zeros = np.zeros(self.config.max_slots, np.int32)
@@ -230,8 +264,9 @@ class Runner:
         Returns whether the pool is a new, zeroed one (every K/V it held is gone)."""
         if self.slot_tokens.is_deleted():
             self.slot_tokens = self._zeros_slot_tokens()
-        if not any(x.is_deleted() for x in self.kv_pool):
+        if not self.block_tables.is_deleted() and not any(x.is_deleted() for x in self.kv_pool):
             return False
+        self.block_tables = self._zeros_tables()  # their entries are rewritten as the requests run again
         self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
                                         self.kv_dtype, self.kv_sharding)
         return True
@@ -239,30 +274,33 @@ class Runner:
     # ---- compilation ----
 
     def all_programs(self) -> list[tuple]:
-        """The key of every program a step may run: forward per token bucket, sample and logprobs
-        per row bucket."""
+        """The key of every program a step may run: the table updates, forward per token bucket,
+        sample per row bucket and sampling mode, logprobs per row bucket."""
         rows = self.buckets.row_sizes
-        return ([("forward", t) for t in self.buckets.token_sizes] + [("sample", r) for r in rows]
-                + [("logprobs", r) for r in rows])
+        return ([("tables", TABLE_UPDATES)] + [("forward", t) for t in self.buckets.token_sizes]
+                + [("sample", r, m) for r in rows for m in MODES] + [("logprobs", r) for r in rows])
 
     def program(self, key: tuple):
         """(jitted function, arguments to lower it with) of the program `key` (see `all_programs`)."""
-        kind, size = key
+        kind, size = key[:2]
         batch = self.padding_batch(size, self.buckets.min_rows) if kind == "forward" else \
             self.padding_batch(self.buckets.token_sizes[0], size)
-        pool, slot_tokens, tokens, token_slots, meta, logits_indices, sampling, positions, sample_slots, \
-            allowed = self.step_args(batch)
+        pool, slot_tokens, block_tables, *inputs = self.step_args(batch)
+        forward_inputs, (sampling, positions, sample_slots, allowed) = inputs[:6], inputs[6:]
         state = self.state_for(key)
         rows, width = self.replicas * size, self.replicas * self.buckets.max_rows
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                       sharding=self._rows_sharding((rows, self.model_config.vocab_size)))
         hidden = jax.ShapeDtypeStruct((width, self.model_config.hidden_size), jnp.float32,
                                       sharding=self._rows_sharding((width, self.model_config.hidden_size)))
-        if kind == "forward":
+        if kind == "tables":
+            fn, donate = self._write_tables, (0,)
+            args = (block_tables, self._updates_chunk(np.zeros((0, 4), np.int32), 0))
+        elif kind == "forward":
             fn, donate = self._forward, (1,)
-            args = (state, pool, slot_tokens, tokens, token_slots, meta, logits_indices)
+            args = (state, pool, slot_tokens, block_tables, *forward_inputs)
         elif kind == "sample":
-            fn, donate = self._sample, (1,)
+            fn, donate = functools.partial(self._sample, key[2]), (1,)
             args = (state, slot_tokens, hidden, sampling, positions, sample_slots, allowed)
         else:
             fn, donate = self._logprobs, ()
@@ -274,7 +312,9 @@ class Runner:
         replicated = sharding.replicated(self.mesh)
         kv = (self.kv_sharding, self.kv_sharding)
         shardings = jax.tree.map(lambda x: x.sharding, args)
-        if kind == "forward":
+        if kind == "tables":
+            out = replicated
+        elif kind == "forward":
             shardings = (self.param_shardings, kv, *shardings[2:])
             out = (kv, hidden.sharding)
         elif kind == "sample":
@@ -310,12 +350,10 @@ class Runner:
         zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
         greedy = SamplingBatch(np.zeros(r * rows, np.float32), zeros(r * rows), np.ones(r * rows, np.float32),
                                np.zeros(r * rows, np.float32), np.zeros(r * rows, np.uint32))
-        groups = self.kv_groups.num_groups
-        meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=np.zeros((r * tokens, groups), np.int32),
-                            kv_lens=zeros(r * seqs),
-                            block_tables=np.zeros((r * seqs, groups, self.pages_per_seq), np.int32),
+        meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=None, kv_lens=zeros(r * seqs), block_tables=None,
                             query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
         return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
-                         np.full(r * rows, self.config.max_slots, np.int32), zeros(0))
+                         np.full(r * rows, self.config.max_slots, np.int32), zeros(0), zeros(r * seqs),
+                         zeros(r * tokens) - 1, np.zeros((0, 4), np.int32))
 
 

@@ -4,6 +4,14 @@ Each row's key is derived from the request's seed and the position of the token 
 so a request draws the same tokens whatever else shares its batch. A row constrained to a
 grammar (structured output) first has the tokens its bitmask forbids set to -inf, so no cut and no
 greedy pick can reach them.
+
+What a batch needs is known on the host before the step: the host picks the program's `mode`
+(`sampling_mode`: all greedy, a temperature, or cuts), so the device never decides which path a
+batch takes. Inside a program, the choices left (a batch with a constrained row, cuts found
+inside the search window or not) go through `branch`: a `lax.cond` on XLA:CPU, where it skips
+work and costs nothing, and both sides with a select on accelerators, where XLA copies a
+conditional's predicate to the host and waits for it (XLA:GPU's conditional thunk), which would
+stall the dispatch of every step.
 Legend: B rows, V vocab, M = ceil(V / 32) mask words.
 """
 
@@ -13,6 +21,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MODES = ("greedy", "random", "cuts")  # what a batch's rows ask, each a program of its own
 
 
 @jax.tree_util.register_dataclass
@@ -32,15 +43,45 @@ class SamplingBatch:
         return cls(table.temperature, table.top_k, table.top_p, table.min_p, table.seed)
 
 
+def sampling_mode(params: SamplingBatch, vocab: int) -> str:
+    """The program a batch of host rows [B] (padding rows too) needs: "greedy" (every row),
+    "random" (a temperature, and no top-k, top-p or min-p cut in any row) or "cuts"."""
+    if np.all(np.asarray(params.temperature) == 0):
+        return "greedy"
+    top_k = np.asarray(params.top_k)
+    cuts = ((top_k > 0) & (top_k < vocab)) | (np.asarray(params.top_p) < 1) | (np.asarray(params.min_p) > 0)
+    return "cuts" if np.any(cuts) else "random"
+
+
+def conditionals_skip_work() -> bool:
+    """Whether a `lax.cond` costs no more than the branch it runs: on XLA:CPU, where the
+    predicate is already in host memory. Elsewhere it costs a device-to-host copy and a wait."""
+    return jax.default_backend() == "cpu"
+
+
+def branch(pred: jax.Array, on_true, on_false):
+    """`on_true()` where pred, else `on_false()`: a conditional where conditionals skip work, both
+    sides and a select elsewhere (see the module's docstring)."""
+    if conditionals_skip_work():
+        return jax.lax.cond(pred, on_true, on_false)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true(), on_false())
+
+
 def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array,
-           allowed: jax.Array | None = None) -> jax.Array:
+           allowed: jax.Array | None = None, mode: str = "cuts") -> jax.Array:
     """logits: [B, V] float32; positions: [B] index of the token being sampled; allowed: [B, M]
-    int32 bitmasks of the tokens each row may draw (all bits set: any), or None. Returns [B] int32."""
+    int32 bitmasks of the tokens each row may draw (all bits set: any), or None; `mode`: the
+    batch's `sampling_mode` (or one that covers it: "cuts" covers all). Returns [B] int32."""
     if allowed is not None:
         logits = mask_logits(logits, allowed)
     greedy = argmax(logits)
-    return jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy,
-                        lambda: jnp.where(params.temperature == 0, greedy, _sample_random(logits, params, positions)))
+    if mode == "greedy":
+        return greedy
+    # Drawn once here, not in each path: threefry is hundreds of operations to compile.
+    u = row_uniforms(params.seed, positions)
+    drawn = (categorical(u, logits, 1 / jnp.maximum(params.temperature, 1e-6)) if mode == "random"
+             else _sample_with_cuts(u, logits, params))
+    return jnp.where(params.temperature == 0, greedy, drawn)
 
 
 def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -52,7 +93,7 @@ def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     def masked():
         bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, M, 32]
         return jnp.where(bits.reshape(b, -1)[:, :v] == 1, logits, -jnp.inf)
-    return jax.lax.cond(jnp.any(allowed != -1), masked, lambda: logits)
+    return branch(jnp.any(allowed != -1), masked, lambda: logits)
 
 
 def argmax(logits: jax.Array, chunk: int = 512) -> jax.Array:
@@ -75,20 +116,14 @@ def row_uniforms(seed: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.uniform)(keys)
 
 
-def _sample_random(logits, params: SamplingBatch, positions):
-    # Drawn once here, not in each branch below: threefry is hundreds of operations to compile.
-    u = row_uniforms(params.seed, positions)
-    inverse_temperature = 1 / jnp.maximum(params.temperature, 1e-6)
+def _sample_with_cuts(u, logits, params: SamplingBatch):
+    """A draw per row [B] with its uniform number u, under its top-k, top-p and min-p cuts."""
     top_k = _top_k_or_vocab(params.top_k, logits.shape[-1])
     cuts = (top_k < logits.shape[-1]) | (params.top_p < 1)
-
-    def filtered():
-        scaled = logits * inverse_temperature[:, None]
-        return jax.lax.cond(jnp.any(cuts), lambda: _draw_filtered(u, scaled, top_k, params.top_p, params.min_p),
-                            lambda: categorical(u, _min_p_filter(scaled, params.min_p)))
-    # Only a batch in which some row filters pays for finding the thresholds.
-    return jax.lax.cond(jnp.any(cuts | (params.min_p > 0)), filtered,
-                        lambda: categorical(u, logits, inverse_temperature))
+    scaled = logits * (1 / jnp.maximum(params.temperature, 1e-6))[:, None]
+    # A batch whose only cut is min-p has no threshold to find.
+    return branch(jnp.any(cuts), lambda: _draw_filtered(u, scaled, top_k, params.top_p, params.min_p),
+                  lambda: categorical(u, _min_p_filter(scaled, params.min_p)))
 
 
 def _top_k_or_vocab(top_k, vocab):
@@ -113,7 +148,7 @@ def _filter(scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW, largest=No
     vocab = scaled.shape[-1]
     top_k = _top_k_or_vocab(top_k, vocab)
     shape = (scaled.shape[0], min(window, vocab))
-    best, best_ids = largest if largest is not None else jax.lax.cond(  # [B, W], largest first; not needed
+    best, best_ids = largest if largest is not None else branch(  # [B, W], largest first; not needed
         jnp.any(top_k < vocab) | jnp.any(top_p < 1), lambda: tuple(jax.lax.top_k(scaled, shape[1])),  # for min-p
         lambda: (jnp.zeros(shape, scaled.dtype), jnp.zeros(shape, jnp.int32)))
     window = best.shape[-1]
@@ -178,17 +213,17 @@ def _draw_filtered(u, scaled, top_k, top_p, min_p, window: int = SEARCH_WINDOW,
 
     def search_window():
         tokens, contained, largest = in_window(window)
-        return jax.lax.cond(jnp.all(contained), lambda: tokens, lambda: jnp.where(
+        return branch(jnp.all(contained), lambda: tokens, lambda: jnp.where(
             contained, tokens, categorical(u, _filter(scaled, top_k, top_p, min_p, largest=largest))))
 
     if top_k_window >= min(window, vocab):
         return search_window()
     rows = scaled.shape[0]
-    tokens, contained = jax.lax.cond(jnp.all(top_k < top_k_window), lambda: in_window(top_k_window)[:2],
+    tokens, contained = branch(jnp.all(top_k < top_k_window), lambda: in_window(top_k_window)[:2],
                                      lambda: (jnp.zeros(rows, jnp.int32), jnp.zeros(rows, bool)))
     # Rows whose ties run across the small window's edge take the search window's draw; the one
     # search window serves both cases, so it is compiled once.
-    return jax.lax.cond(jnp.all(contained), lambda: tokens,
+    return branch(jnp.all(contained), lambda: tokens,
                         lambda: jnp.where(contained, tokens, search_window()))
 
 
@@ -215,7 +250,7 @@ def _window_cuts(scaled, top_k, top_p, min_p, best):
 def _or_bisection(rows, found, values, holds):
     """`found` [B], with the rows where `rows` is set replaced by `_largest_threshold(values, holds)`
     (computed only if some row is set)."""
-    return jax.lax.cond(jnp.any(rows), lambda: jnp.where(rows, _largest_threshold(values, holds), found),
+    return branch(jnp.any(rows), lambda: jnp.where(rows, _largest_threshold(values, holds), found),
                         lambda: found)
 
 

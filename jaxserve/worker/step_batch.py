@@ -5,8 +5,14 @@ the runner's compiled programs take, and the buckets that keep those shapes few.
         tokens [T]          the tokens to run, sequence after sequence (decodes first)
         token_slots [T]     for a token still on the device (sampled by the step before): the slot
                             whose last sampled token it is; -1 for tokens given here
-        meta                positions [T], pool slots [T, G]; kv_lens, block tables [S, G, W],
-                            query starts [S] (StepMetadata; G KV-cache groups)
+        meta                positions [T]; kv_lens, query starts [S] (StepMetadata; G KV-cache
+                            groups). Its block tables [S, G, W] and pool slots [T, G] are read on
+                            the device from the slot table (`table_metadata`), so no array of the
+                            step grows with max_model_len (W pages)
+        seq_slots [S]       each sequence row's slot: its rows of the slot table (padding: 0)
+        token_seq_slots [T] each token's slot (padding: -1, the null page)
+        table_updates [n, 4] (slot, group, index, page): the slot table's entries written since the
+                            last step, applied on the device before it runs
         logits_indices [W]  each sequence's last token: the only rows that reach the output layer
         sampling [R]        each sequence's sampling parameters
         sample_positions [R] the position of the token each sequence samples (its sampling key)
@@ -30,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.paged_attention import StepMetadata
@@ -50,12 +57,15 @@ class ScheduledSeq:
 class StepBatch:
     tokens: np.ndarray  # [T] int32
     token_slots: np.ndarray  # [T] int32
-    meta: StepMetadata
+    meta: StepMetadata  # slot_mapping and block_tables None: read on the device (`table_metadata`)
     logits_indices: np.ndarray  # [W] int32
     sampling: SamplingBatch  # [R] rows
     sample_positions: np.ndarray  # [R] int32
     sample_slots: np.ndarray  # [R] int32
     rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
+    seq_slots: np.ndarray  # [S] int32
+    token_seq_slots: np.ndarray  # [T] int32
+    table_updates: np.ndarray  # [n, 4] int32 (slot, group, index, page)
     num_tokens: int = 0  # real tokens (the rest of T is padding)
     allowed: np.ndarray | None = None  # [R, ceil(V / 32)] int32 token bitmasks; None: no row is constrained
 
@@ -118,23 +128,21 @@ class StepBuckets:
                 next(s for s in self.row_sizes if s >= num_seqs))
 
 
-def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling: SamplingBatch,
-               page_size: int, buckets: StepBuckets, replicas: int = 1) -> StepBatch:
-    """The padded arrays of one step. block_tables [slots, G, W] (one table per KV-cache group) and
-    sampling ([slots] rows) are the slot table's; each sequence reads its slot's row."""
-    num_slots = block_tables.shape[0]
+def build_step(seqs: Sequence[ScheduledSeq], sampling: SamplingBatch, page_size: int, buckets: StepBuckets,
+               replicas: int = 1, table_updates: np.ndarray | None = None) -> StepBatch:
+    """The padded arrays of one step. sampling ([slots] rows) is the slot table's, and each
+    sequence reads its slot's row; table_updates [n, 4] go with the step to the device."""
+    num_slots = len(sampling.temperature)
     groups: list[list[int]] = [[] for _ in range(replicas)]
     for i, seq in enumerate(seqs):
         groups[seq.slot % replicas].append(i)
     t_size, r_size = buckets.shape(max(sum(len(seqs[i].token_ids) for i in g) for g in groups),
                                    max(len(g) for g in groups))
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
-    _, num_kv_groups, width = block_tables.shape
     tokens = np.zeros(replicas * t_size, np.int32)
     positions = np.zeros(replicas * t_size, np.int32)
-    slot_mapping = np.zeros((replicas * t_size, num_kv_groups), np.int32)
     kv_lens = np.zeros(replicas * s_size, np.int32)
-    tables = np.zeros((replicas * s_size, num_kv_groups, width), np.int32)
+    seq_slots = np.zeros(replicas * s_size, np.int32)
     query_start = np.zeros(replicas * (s_size + 1), np.int32)
     num_seqs = np.zeros(replicas, np.int32)
     logits_indices = np.zeros(replicas * w_size, np.int32)
@@ -154,14 +162,12 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         seq_of_token = np.repeat(np.arange(n), lens)
         pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - (ends - lens)[seq_of_token]
         group_slots = np.fromiter((seqs[i].slot for i in group), np.int64, n)
-        pages_of_token = block_tables[group_slots[seq_of_token], :, pos // page_size]  # [total, G]
         tokens[t0: t0 + total] = [t for i in group for t in seqs[i].token_ids]
         sample_slots[r0: r0 + n] = np.where([seqs[i].samples for i in group], group_slots, num_slots)
         positions[t0: t0 + total] = pos
         slot_of_token[t0: t0 + total] = group_slots[seq_of_token]
-        slot_mapping[t0: t0 + total] = pages_of_token * page_size + (pos % page_size)[:, None]
         kv_lens[s0: s0 + n] = starts + lens
-        tables[s0: s0 + n] = block_tables[group_slots]
+        seq_slots[s0: s0 + n] = group_slots
         q0 = r * (s_size + 1)
         query_start[q0 + 1: q0 + 1 + n] = ends
         query_start[q0 + 1 + n: q0 + 1 + s_size] = total
@@ -171,12 +177,32 @@ def build_step(seqs: Sequence[ScheduledSeq], block_tables: np.ndarray, sampling:
         slots[r0: r0 + n] = group_slots
         real[r0: r0 + n] = True
         rows[group] = r0 + np.arange(n)
-    meta = StepMetadata(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=tables,
+    meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
                         query_start=query_start, num_seqs=num_seqs)
     on_device = tokens < 0
     return StepBatch(np.where(on_device, 0, tokens), np.where(on_device, slot_of_token, -1).astype(np.int32), meta,
                      logits_indices, _sampling_rows(sampling, slots, real), sample_positions, sample_slots, rows,
+                     seq_slots, slot_of_token.astype(np.int32),
+                     np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
                      num_tokens=sum(len(seq.token_ids) for seq in seqs))
+
+
+def table_metadata(meta: StepMetadata, block_tables, seq_slots, token_seq_slots, page_size: int) -> StepMetadata:
+    """`meta` with the block tables [S, G, W] and pool slots [T, G] of its sequences and tokens,
+    read from the slot table block_tables [slots, G, W] (on the device in a step; numpy or jax
+    arrays alike). A padding token (slot -1) writes offset 0 of the null page."""
+    xp = np if isinstance(block_tables, np.ndarray) else jnp
+    pages = block_tables[xp.maximum(token_seq_slots, 0), :, meta.positions // page_size]  # [T, G]
+    offsets = (meta.positions % page_size)[:, None]
+    slot_mapping = xp.where((token_seq_slots >= 0)[:, None], pages * page_size + offsets, 0).astype(np.int32)
+    return dataclasses.replace(meta, slot_mapping=slot_mapping, block_tables=block_tables[seq_slots])
+
+
+def table_updates(block_tables: np.ndarray) -> np.ndarray:
+    """[n, 4] (slot, group, index, page): every entry of a host slot table [slots, G, W] that is
+    not the null page, as updates of an empty table (for callers that build whole tables)."""
+    index = np.argwhere(block_tables != 0)
+    return np.concatenate([index, block_tables[tuple(index.T)][:, None]], axis=1).astype(np.int32)
 
 
 def _sampling_rows(sampling: SamplingBatch, slots: np.ndarray, real: np.ndarray) -> SamplingBatch:

@@ -55,6 +55,11 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.windows)
 
+    @property
+    def has_windows(self) -> bool:
+        """Whether some group is a sliding window (only those drop pages as sequences grow)."""
+        return any(w is not None for w in self.windows)
+
     def _table_len(self, group: int, computed: int, end: int) -> int:
         """Entries group `group` needs to hold tokens up to `end` of a request that computed `computed`."""
         window = self.windows[group]
@@ -85,24 +90,24 @@ class KVCacheManager:
                 changed = True
         return changed
 
-    def drop_out_of_window(self, request: Request) -> bool:
+    def drop_out_of_window(self, request: Request) -> list[tuple[int, int]]:
         """Frees the pages each sliding group's window has left behind (oldest first, so they are
-        evicted first); returns whether a table changed. Entries before the window are the null
-        page already, so the scan stops at the first one."""
-        changed = False
-        for window, table in zip(self.windows, request.pages):
+        evicted first); returns the (group, index) entries that became the null page. Entries
+        before the window are the null page already, so the scan stops at the first one."""
+        nulled = []
+        for g, (window, table) in enumerate(zip(self.windows, request.pages)):
             if window is None:
                 continue
             i = min(first_in_window(window, request.num_computed_tokens, self.page_size), len(table)) - 1
             dropped = []
             while i >= 0 and table[i]:
                 dropped.append(table[i])
+                nulled.append((g, i))
                 table[i] = 0
                 i -= 1
             if dropped:
                 self.blocks.free(reversed(dropped))
-                changed = True
-        return changed
+        return nulled
 
     def release(self, request: Request) -> None:
         """Frees every page of the request, each group's tail first (evicted before its head)."""

@@ -62,10 +62,14 @@ class Request:
     finish_time: float | None = None
     admit_time: float | None = None  # first admission, for queue-time metrics
     num_preemptions: int = 0
+    num_prompt_tokens: int = dataclasses.field(init=False)  # the prompt never changes: counted once
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -74,7 +78,11 @@ class Request:
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output (PENDING for a token still on the device),
         without copying the whole sequence."""
-        prompt, known = len(self.prompt_token_ids), len(self.prompt_token_ids) + len(self.output_token_ids)
+        prompt = self.num_prompt_tokens
+        known = prompt + len(self.output_token_ids)
+        if stop == start + 1:  # a decode's one token (most calls)
+            return [PENDING if start >= known else self.prompt_token_ids[start] if start < prompt
+                    else self.output_token_ids[start - prompt]]
         pending = [PENDING] * (stop - max(start, known)) if stop > known else []
         if start >= prompt:
             return self.output_token_ids[start - prompt: stop - prompt] + pending

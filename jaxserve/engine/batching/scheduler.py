@@ -25,8 +25,9 @@ continuous only), so a prefix shared by many requests that arrive together is co
 When the pool's K/V are lost (a failed step consumed it), `preempt_all` sends every running
 request back to be recomputed.
 
-The slot table holds, per slot, what the runner reads as fixed-shape host arrays: the block table
-row and the sampling parameters.
+The slot table holds, per slot, the sampling parameters the runner reads as host arrays, and
+records the block-table entries written since the runner last took them: the tables themselves
+live with the runner, on the device, so a step sends only what changed.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ import dataclasses
 import heapq
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxserve.engine.batching.block_manager import BlockManager, pages_for
+from jaxserve.engine.batching.block_manager import BlockManager
 from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
 from jaxserve.engine.batching.page_hash import ROOT, hash_page
 from jaxserve.engine.batching.policies import Policy
@@ -84,10 +85,11 @@ class Schedule:
 
 
 class SlotTable:
-    """Per-slot host arrays: block table rows (one per KV-cache group) and sampling parameters."""
+    """Per-slot sampling parameters (host arrays), and the block-table entries written since
+    `take_updates` (the runner's tables on the device follow them)."""
 
-    def __init__(self, max_slots: int, pages_per_seq: int, num_groups: int = 1):
-        self.block_tables = np.zeros((max_slots, num_groups, pages_per_seq), np.int32)  # 0: the null page
+    def __init__(self, max_slots: int):
+        self._updates: list[tuple[int, int, int, int]] = []  # (slot, group, index, page)
         self.temperature = np.zeros(max_slots, np.float32)
         self.top_k = np.zeros(max_slots, np.int32)
         self.top_p = np.ones(max_slots, np.float32)
@@ -99,14 +101,27 @@ class SlotTable:
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[slot] = request.seed
-        self.set_pages(slot, request)
+        self.write_pages(slot, request)
 
-    def set_pages(self, slot: int, request: Request) -> None:
+    def write_pages(self, slot: int, request: Request, start: Sequence[int] | None = None) -> None:
+        """Records the entries of the request's block tables from `start[g]` in each group g on (all
+        of them by default)."""
         for g, pages in enumerate(request.pages):
-            self.block_tables[slot, g, : len(pages)] = pages
+            first = start[g] if start else 0
+            self._updates.extend((slot, g, i, page) for i, page in enumerate(pages[first:], first))
+
+    def write_null(self, slot: int, entries: Sequence[tuple[int, int]]) -> None:
+        """Records (group, index) entries that became the null page."""
+        self._updates.extend((slot, g, i, 0) for g, i in entries)
+
+    def take_updates(self) -> np.ndarray:
+        """[n, 4] int32 (slot, group, index, page): the entries recorded since the last call, in order."""
+        updates, self._updates = np.array(self._updates, np.int32).reshape(-1, 4), []
+        return updates
 
     def clear(self, slot: int) -> None:
-        self.block_tables[slot] = 0
+        """A freed slot's sampling parameters back to greedy. Its block-table entries stay: a step
+        reads none past a sequence's length, and the next request in the slot writes its own."""
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = 0, 0, 1, 0
 
 
@@ -118,8 +133,7 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.kv = KVCacheManager(blocks, config.kv_group_windows, config.max_num_batched_tokens)
-        self.pages_per_seq = pages_for(config.max_model_len, blocks.page_size)
-        self.table = SlotTable(config.max_slots, self.pages_per_seq, self.kv.num_groups)
+        self.table = SlotTable(config.max_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
@@ -153,16 +167,19 @@ class Scheduler:
         return Schedule(tokens, admitted, preempted, {r for r, n in tokens.items() if n == r.num_uncomputed_tokens})
 
     def _fill_budget(self) -> dict[Request, int]:
-        budget = self.config.max_num_batched_tokens
         tokens: dict[Request, int] = {}
-        for request in self.running:  # decodes: at most max_slots <= budget of them
-            if request.num_uncomputed_tokens == 1 and not request.stopping:
-                tokens[request] = 1
-                budget -= 1
-        for request in self.running:  # then prompt chunks, in admission order
+        chunks = []
+        for request in self.running:  # decodes first: at most max_slots <= budget of them
             left = request.num_uncomputed_tokens
-            if left <= 1 or budget == 0:
-                continue
+            if left == 1:
+                if not request.stopping:
+                    tokens[request] = 1
+            elif left > 1:
+                chunks.append((request, left))
+        budget = self.config.max_num_batched_tokens - len(tokens)
+        for request, left in chunks:  # then prompt chunks, in admission order
+            if budget == 0:
+                break
             if left > budget and not self.config.enable_chunked_prefill:
                 break  # whole prompts only: this one and those behind it wait for a step with room
             tokens[request] = min(left, budget)
@@ -172,13 +189,18 @@ class Scheduler:
     def _grow_running(self) -> list[Request]:
         """Frees what sliding windows left behind, then gives each running sequence the pages its
         tokens need; preempts the newest when out."""
-        for request in self.running:
-            if self.kv.drop_out_of_window(request):
-                self.table.set_pages(request.slot, request)
+        if self.kv.has_windows:
+            for request in self.running:
+                dropped = self.kv.drop_out_of_window(request)
+                if dropped:
+                    self.table.write_null(request.slot, dropped)
         preempted = []
+        page_size = self.blocks.page_size
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.stopping:
                 continue  # preempted earlier in this loop, or its last token is sampled
+            if request.num_tokens <= min(map(len, request.pages)) * page_size:
+                continue  # every group's table reaches past its tokens: no page to add (most steps)
             needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens,
                                           request.num_tokens)
             while needed > 0 and not self.blocks.can_allocate(needed):
@@ -188,8 +210,9 @@ class Scheduler:
                 if victim is request:
                     break
             if needed > 0 and request.status is RequestStatus.RUNNING:
+                lengths = [len(t) for t in request.pages]
                 self.kv.grow(request, request.num_tokens)
-                self.table.set_pages(request.slot, request)
+                self.table.write_pages(request.slot, request, lengths)
         return preempted
 
     def _admit(self) -> list[Request]:
@@ -249,9 +272,12 @@ class Scheduler:
     def _cache_computed_pages(self, request: Request) -> None:
         """Records the request's pages that are now full of computed tokens known on the host in
         the prefix cache."""
+        if not self.blocks.enable_caching or request.num_computed_tokens // self.blocks.page_size <= \
+                request.num_cached_pages:
+            return  # no page filled since (the common case, checked first: this runs per request per step)
         known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
         full = known // self.blocks.page_size
-        if not self.blocks.enable_caching or full <= request.num_cached_pages:
+        if full <= request.num_cached_pages:
             return
         hashes = self._page_hashes(request, full)
         self.kv.cache_pages(request, hashes, request.num_cached_pages)
@@ -280,6 +306,12 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def rewrite_tables(self) -> None:
+        """Records every entry of the running requests' block tables again (after a failed step,
+        whose entries may not have reached the device)."""
+        for request in self.running:
+            self.table.write_pages(request.slot, request)
 
     def preempt_all(self) -> list[Request]:
         """Preempts every running request, for when the pool's K/V are gone: each is recomputed
@@ -321,10 +353,11 @@ class Scheduler:
         finished = []
         now = self.clock()
         eos = self.config.eos_token_ids
+        tokens = tokens.tolist()  # Python ints, once
         for i, request in enumerate(schedule.num_tokens):
             if request not in schedule.sampling or request.finished:
                 continue  # a prompt chunk that is not the last, or aborted meanwhile
-            token = int(tokens[i])
+            token = tokens[i]
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
             if logprobs is not None:

@@ -1,0 +1,103 @@
+"""What one engine step costs the host: the CPU time of the thread that calls `Engine.step()`, at a
+given number of decoding sequences, on a tiny model under a long `max_model_len`.
+
+    python -m jaxserve.bench.host_cost --sequences 1,8,64,256 --context 600 --max-model-len 32768
+
+XLA runs a step's compute on threads of its own, and waiting for the sampled tokens costs no CPU,
+so the stepping thread's CPU time is the engine's host work: scheduling, building the inputs,
+dispatching, committing. The step's wall time is printed beside it; on a CPU it is mostly XLA's
+attention. The model is a random Llama (6 layers, hidden 64 unless told) whose context is
+`--max-model-len`, so the block tables are as wide as the default 32k context makes them. Only
+the public API and the model's modules are used, so this file also runs against older commits
+(`PYTHONPATH=old-checkout python jaxserve/bench/host_cost.py`), side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.weights import expected_shapes
+
+VOCAB = 1024
+
+
+def tiny_engine(sequences: int, context: int, steps: int, max_model_len: int, layers: int, hidden: int) -> Engine:
+    """A random Llama of `layers` x `hidden` with a context of `max_model_len`, and a KV pool that
+    holds `sequences` sequences of `4 context + steps` tokens (the first ones decode while the last
+    ones prefill), and one of max_model_len, as the engine asks. Its steps run up to 4 tokens per
+    sequence, so that the prompts are in within a few hundred steps."""
+    cfg = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+                      max_position_embeddings=max_model_len, eos_token_ids=(2,))
+    rng = np.random.default_rng(0)
+    weights = {name: (rng.standard_normal(shape) * 0.05 + (1.0 if "norm" in name else 0.0)).astype(np.float32)
+               for name, shape in expected_shapes(cfg).items()}
+    pages = max(sequences * (-(-(4 * context + steps + 1) // 16) + 1), max_model_len // 16 + 1) + 1
+    config = EngineConfig(max_slots=sequences, num_pages=pages, max_num_batched_tokens=max(256, 4 * sequences),
+                          dtype="float32", max_model_len=max_model_len)
+    return Engine(cfg, weights, None, config, model_name=f"random llama {layers}x{hidden}")
+
+
+def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str | None = None) -> dict[str, float]:
+    """Starts `sequences` requests of `context` prompt tokens, runs every prefill, then times
+    `steps` decode steps with every sequence decoding: the stepping thread's CPU ms and the wall ms
+    per step (medians); with `trace`, a jax.profiler trace of those steps goes to that folder."""
+    rng = np.random.default_rng(1)
+    params = SamplingParams(max_tokens=min(3 * context + steps, engine.max_model_len - context), temperature=0,
+                            ignore_eos=True)
+    for _ in range(sequences):
+        engine.add_request(rng.integers(3, VOCAB, context).tolist(), params)
+    while engine.scheduler.waiting or any(r.num_uncomputed_tokens > 1 for r in engine.scheduler.running):
+        engine.step()  # prefill chunks (and the programs they compile)
+    for _ in range(3):
+        engine.step()  # every decode program compiled, and the steps overlapping as they will
+    assert len(engine.scheduler.running) == sequences, "a sequence finished before the steps were timed"
+    cpu, wall = [], []
+    with jax.profiler.trace(trace) if trace else contextlib.nullcontext():
+        for _ in range(steps):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            engine.step()
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - w0)
+    for request in list(engine.scheduler.running):
+        engine.abort(request.request_id)
+    return {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sequences", default="1,8,64,256", help="comma-separated counts of decoding sequences")
+    p.add_argument("--context", type=int, default=600, help="prompt tokens of each sequence")
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed at each count")
+    p.add_argument("--max-model-len", default="32768", help="comma-separated contexts of the model")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of the timed steps, per "
+                   "configuration in DIR/SEQUENCES-MAX_MODEL_LEN")
+    p.add_argument("--no-header", action="store_true")
+    args = p.parse_args(argv)
+    configs = [(m, n) for m in map(int, args.max_model_len.split(",")) for n in map(int, args.sequences.split(","))]
+    if not args.no_header:
+        print("| max_model_len | sequences | host CPU ms/step | wall ms/step |\n|---|---|---|---|", flush=True)
+    if len(configs) > 1:  # each in a process of its own: an engine's pool outlives it in jax's caches
+        for m, n in configs:
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--max-model-len", str(m), "--sequences", str(n),
+                            "--no-header"], check=True)
+        return
+    (max_model_len, n), = configs
+    engine = tiny_engine(n, args.context, args.steps, max_model_len, args.layers, args.hidden)
+    row = measure(engine, n, args.context, args.steps, args.trace and f"{args.trace}/{n}-{max_model_len}")
+    print(f"| {max_model_len} | {n} | {row['cpu_ms']:.2f} | {row['wall_ms']:.1f} |", flush=True)
+
+if __name__ == "__main__":
+    main()
