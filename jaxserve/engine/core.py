@@ -123,7 +123,7 @@ class EngineCore:
                 finished += self.scheduler.preempt_all()
                 self.blocks.reset_prefix_cache()
             else:  # the block-table entries this step carried may not have reached the device: send all again
-                self.scheduler.rewrite_tables()
+                self.scheduler.table.write_all(self.scheduler.running)
         self.idle = schedule.empty and self._in_flight is None
         return finished
 

@@ -43,7 +43,8 @@ from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.worker.sampling import MODES, SamplingBatch, sample, sampling_mode, token_logprobs
-from jaxserve.worker.step_batch import StepBatch, StepBuckets, table_metadata
+from jaxserve.worker.step_batch import (StepBatch, StepBuckets, pad_updates, padding_batch, table_metadata,
+                                       write_table_entries)
 
 
 TABLE_UPDATES = 256  # block-table entries one program writes: a step with more runs it again
@@ -152,7 +153,8 @@ class Runner:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
         write_tables = self.programs.get(("tables", TABLE_UPDATES))
         for start in range(0, len(batch.table_updates), TABLE_UPDATES):
-            self.block_tables = write_tables(self.block_tables, self._updates_chunk(batch.table_updates, start))
+            chunk = self._replicated(pad_updates(batch.table_updates, start, TABLE_UPDATES, self.config.max_slots))
+            self.block_tables = write_tables(self.block_tables, chunk)
         pool, slot_tokens, block_tables, *inputs = self.step_args(batch)
         forward_inputs, (sampling, positions, sample_slots, allowed) = inputs[:6], inputs[6:]
         forward = self.programs.get(("forward", tokens))
@@ -186,14 +188,6 @@ class Runner:
             self._place_rows(batch.allowed)
         return (self.kv_pool, self.slot_tokens, self.block_tables, *inputs, allowed)
 
-    def _updates_chunk(self, updates: np.ndarray, start: int):
-        """Rows start.. of the table updates [n, 4], padded to TABLE_UPDATES with rows that drop
-        (slot max_slots), on the device."""
-        chunk = np.full((TABLE_UPDATES, 4), self.config.max_slots, np.int32)
-        part = updates[start: start + TABLE_UPDATES]
-        chunk[: len(part)] = part
-        return jax.device_put(chunk) if self.mesh is None else sharding.place(chunk, sharding.replicated(self.mesh))
-
     def state_for(self, key: tuple):
         """The weights the program `key` runs on: the model's, or their copy in the dtype
         `config.program_dtypes` gives it."""
@@ -203,17 +197,13 @@ class Runner:
         """The mask [rows, M] that allows every token, kept on the device per row bucket: a step
         without structured output sends no mask."""
         mask = self._no_mask.get(rows)
-        if mask is None:
-            mask = self._no_mask[rows] = self._place_rows(np.full((rows, self.mask_words), -1, np.int32))
+        if mask is None:  # M = ceil(V / 32) int32 words a row
+            words = -(-self.model_config.vocab_size // 32)
+            mask = self._no_mask[rows] = self._place_rows(np.full((rows, words), -1, np.int32))
         return mask
 
     def _place_rows(self, x: np.ndarray):
         return jax.device_put(x) if self.mesh is None else self._place(x)
-
-    @property
-    def mask_words(self) -> int:
-        """M: int32 words of a row's token bitmask."""
-        return -(-self.model_config.vocab_size // 32)
 
     # ---- the three programs of a step ----
 
@@ -241,19 +231,16 @@ class Runner:
     def _logprobs(self, logits, tokens):
         return token_logprobs(logits, tokens, self.config.num_logprobs)
 
-    def _write_tables(self, block_tables, updates):
-        """block_tables [slots, G, W] with the entries of updates [U, 4] (slot, group, index, page)
-        written; rows of slot max_slots are padding and drop."""
-        slot, group, index, page = updates.T
-        return block_tables.at[slot, group, index].set(page, mode="drop")
-
     def _zeros_tables(self):
-        zeros = np.zeros((self.config.max_slots, self.kv_groups.num_groups, self.pages_per_seq), np.int32)
-        return jax.device_put(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
+        return self._replicated(np.zeros((self.config.max_slots, self.kv_groups.num_groups, self.pages_per_seq),
+                                         np.int32))
 
     def _zeros_slot_tokens(self):
-        zeros = np.zeros(self.config.max_slots, np.int32)
-        return jax.device_put(zeros) if self.mesh is None else sharding.place(zeros, sharding.replicated(self.mesh))
+        return self._replicated(np.zeros(self.config.max_slots, np.int32))
+
+    def _replicated(self, x: np.ndarray):
+        """A host array on the device, or on every device of the mesh."""
+        return jax.device_put(x) if self.mesh is None else sharding.place(x, sharding.replicated(self.mesh))
 
     def warmup(self, progress=None, workers: int | None = None) -> int:
         """Compiles (or loads) every program a step may run; see `Programs.warmup`."""
@@ -283,8 +270,8 @@ class Runner:
     def program(self, key: tuple):
         """(jitted function, arguments to lower it with) of the program `key` (see `all_programs`)."""
         kind, size = key[:2]
-        batch = self.padding_batch(size, self.buckets.min_rows) if kind == "forward" else \
-            self.padding_batch(self.buckets.token_sizes[0], size)
+        tokens, rows = (size, self.buckets.min_rows) if kind == "forward" else (self.buckets.token_sizes[0], size)
+        batch = padding_batch(tokens, rows, self.buckets, self.config.max_slots, self.replicas)
         pool, slot_tokens, block_tables, *inputs = self.step_args(batch)
         forward_inputs, (sampling, positions, sample_slots, allowed) = inputs[:6], inputs[6:]
         state = self.state_for(key)
@@ -294,8 +281,8 @@ class Runner:
         hidden = jax.ShapeDtypeStruct((width, self.model_config.hidden_size), jnp.float32,
                                       sharding=self._rows_sharding((width, self.model_config.hidden_size)))
         if kind == "tables":
-            fn, donate = self._write_tables, (0,)
-            args = (block_tables, self._updates_chunk(np.zeros((0, 4), np.int32), 0))
+            fn, donate = write_table_entries, (0,)
+            args = (block_tables, self._replicated(pad_updates(np.zeros((0, 4), np.int32), 0, TABLE_UPDATES, 0)))
         elif kind == "forward":
             fn, donate = self._forward, (1,)
             args = (state, pool, slot_tokens, block_tables, *forward_inputs)
@@ -342,18 +329,5 @@ class Runner:
     def _place(self, inputs):
         """Host step inputs onto the mesh, split by replica."""
         return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
-
-    def padding_batch(self, tokens: int, rows: int) -> StepBatch:
-        """A step of `tokens` tokens and `rows` sampling rows that is all padding: it writes only
-        the null page."""
-        r, seqs, width = self.replicas, self.buckets.seqs(tokens), self.buckets.max_rows
-        zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
-        greedy = SamplingBatch(np.zeros(r * rows, np.float32), zeros(r * rows), np.ones(r * rows, np.float32),
-                               np.zeros(r * rows, np.float32), np.zeros(r * rows, np.uint32))
-        meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=None, kv_lens=zeros(r * seqs), block_tables=None,
-                            query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
-        return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
-                         np.full(r * rows, self.config.max_slots, np.int32), zeros(0), zeros(r * seqs),
-                         zeros(r * tokens) - 1, np.zeros((0, 4), np.int32))
 
 

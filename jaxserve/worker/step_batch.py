@@ -211,3 +211,33 @@ def _sampling_rows(sampling: SamplingBatch, slots: np.ndarray, real: np.ndarray)
         return np.where(real, np.asarray(values)[slots], pad).astype(np.asarray(values).dtype)
     return SamplingBatch(rows(sampling.temperature, 0), rows(sampling.top_k, 0), rows(sampling.top_p, 1),
                          rows(sampling.min_p, 0), rows(sampling.seed, 0))
+
+
+def pad_updates(updates: np.ndarray, start: int, size: int, drop_slot: int) -> np.ndarray:
+    """Rows start.. start + size of table updates [n, 4], padded to `size` rows that drop (slot
+    `drop_slot`, past the table): the fixed shape of `write_table_entries`."""
+    chunk = np.full((size, 4), drop_slot, np.int32)
+    part = updates[start: start + size]
+    chunk[: len(part)] = part
+    return chunk
+
+
+def write_table_entries(block_tables, updates):
+    """block_tables [slots, G, W] (on the device) with the entries of updates [U, 4] (slot, group,
+    index, page) written; rows past the table drop."""
+    slot, group, index, page = updates.T
+    return block_tables.at[slot, group, index].set(page, mode="drop")
+
+
+def padding_batch(tokens: int, rows: int, buckets: StepBuckets, max_slots: int, replicas: int = 1) -> StepBatch:
+    """A step of `tokens` tokens and `rows` sampling rows (per replica) that is all padding: it
+    writes only the null page (the shapes a program is compiled for)."""
+    r, seqs, width = replicas, buckets.seqs(tokens), buckets.max_rows
+    zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    greedy = SamplingBatch(np.zeros(r * rows, np.float32), zeros(r * rows), np.ones(r * rows, np.float32),
+                           np.zeros(r * rows, np.float32), np.zeros(r * rows, np.uint32))
+    meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=None, kv_lens=zeros(r * seqs), block_tables=None,
+                        query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
+    return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
+                     np.full(r * rows, max_slots, np.int32), zeros(0), zeros(r * seqs), zeros(r * tokens) - 1,
+                     np.zeros((0, 4), np.int32))

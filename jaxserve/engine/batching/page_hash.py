@@ -20,3 +20,12 @@ def hash_page(parent: bytes, token_ids: Sequence[int], salt: str | None) -> byte
     digest.update(array("q", token_ids).tobytes())
     digest.update(b"\0" if salt is None else b"\1" + salt.encode())
     return digest.digest()
+
+
+def page_hashes(request, num_pages: int, page_size: int) -> list[bytes]:
+    """A Request's first `num_pages` page hashes, computed once and kept on it (`page_hashes`)."""
+    hashes = request.page_hashes
+    for i in range(len(hashes), num_pages):
+        hashes.append(hash_page(hashes[i - 1] if i else ROOT, request.token_ids(i * page_size, (i + 1) * page_size),
+                                request.cache_salt))
+    return hashes[:num_pages]

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxserve.engine.batching.block_manager import BlockManager
 from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
-from jaxserve.engine.batching.page_hash import ROOT, hash_page
+from jaxserve.engine.batching.page_hash import page_hashes
 from jaxserve.engine.batching.policies import Policy
 from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
 
@@ -113,6 +113,12 @@ class SlotTable:
     def write_null(self, slot: int, entries: Sequence[tuple[int, int]]) -> None:
         """Records (group, index) entries that became the null page."""
         self._updates.extend((slot, g, i, 0) for g, i in entries)
+
+    def write_all(self, requests: Sequence[Request]) -> None:
+        """Records every entry of the requests' block tables again (after a failed step, whose
+        entries may not have reached the device)."""
+        for request in requests:
+            self.write_pages(request.slot, request)
 
     def take_updates(self) -> np.ndarray:
         """[n, 4] int32 (slot, group, index, page): the entries recorded since the last call, in order."""
@@ -258,16 +264,8 @@ class Scheduler:
         last token (which is always computed)."""
         if not self.blocks.enable_caching:
             return 0, [[] for _ in range(self.kv.num_groups)], []
-        hashes = self._page_hashes(request, (request.num_tokens - 1) // self.blocks.page_size)
+        hashes = page_hashes(request, (request.num_tokens - 1) // self.blocks.page_size, self.blocks.page_size)
         return *self.kv.cache_hits(hashes), hashes
-
-    def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
-        """The request's first `num_pages` page hashes (computed once, kept on the request)."""
-        hashes, size = request.page_hashes, self.blocks.page_size
-        for i in range(len(hashes), num_pages):
-            hashes.append(hash_page(hashes[i - 1] if i else ROOT, request.token_ids(i * size, (i + 1) * size),
-                                    request.cache_salt))
-        return hashes[:num_pages]
 
     def _cache_computed_pages(self, request: Request) -> None:
         """Records the request's pages that are now full of computed tokens known on the host in
@@ -279,7 +277,7 @@ class Scheduler:
         full = known // self.blocks.page_size
         if full <= request.num_cached_pages:
             return
-        hashes = self._page_hashes(request, full)
+        hashes = page_hashes(request, full, self.blocks.page_size)
         self.kv.cache_pages(request, hashes, request.num_cached_pages)
         for h in hashes[request.num_cached_pages:]:
             if self._computing.get(h) is request:
@@ -306,12 +304,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    def rewrite_tables(self) -> None:
-        """Records every entry of the running requests' block tables again (after a failed step,
-        whose entries may not have reached the device)."""
-        for request in self.running:
-            self.table.write_pages(request.slot, request)
 
     def preempt_all(self) -> list[Request]:
         """Preempts every running request, for when the pool's K/V are gone: each is recomputed
