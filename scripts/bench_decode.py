@@ -43,7 +43,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.worker.sampling import SamplingBatch, sample
-from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step, table_metadata, table_updates
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step, table_metadata, table_updates
 
 
 def timed(fn, reps: int) -> float:
@@ -125,8 +125,7 @@ def model_logits(model_path: str | None, rows: int, page: int = 16) -> np.ndarra
     lengths = np.linspace(4, len(ids), rows).astype(int)
     width, groups = -(-len(ids) // page), kv_groups(cfg).num_groups
     tables = 1 + np.arange(rows * groups * width, dtype=np.int32).reshape(rows, groups, width)  # pages apart
-    greedy = SamplingBatch(*(np.zeros(rows, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
-    step = build_step([ScheduledSeq(i, 0, ids[:n]) for i, n in enumerate(lengths)], greedy, page,
+    step = build_step(StepSeqs.of([ScheduledSeq(i, 0, ids[:n]) for i, n in enumerate(lengths)]), rows, page,
                       StepBuckets(max_tokens=int(lengths.sum()), max_seqs=rows))
     meta = table_metadata(step.meta, tables, step.seq_slots, step.token_seq_slots, page)
     pool = allocate_kv_pool(cfg, 1 + rows * groups * width, page, jnp.float32)
@@ -172,12 +171,9 @@ def decode_step_time(engine: Engine, batch: int, context: int, reps: int) -> flo
     pages, groups = -(-context // page), runner.kv_groups.num_groups
     tables = np.zeros((engine.config.max_slots, groups, runner.pages_per_seq), np.int32)
     tables[:batch, :, :pages] = 1 + np.arange(batch * groups * pages).reshape(batch, groups, pages)
-    slots = engine.config.max_slots
-    sampling = SamplingBatch(np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
-                             np.zeros(slots, np.float32), np.zeros(slots, np.uint32))
-    seqs = [ScheduledSeq(i, context - 1, [1000 + i]) for i in range(batch)]
-    return timed_steps(runner, build_step(seqs, sampling, page, runner.buckets, runner.replicas,
-                                          table_updates(tables)), reps)
+    seqs = StepSeqs.of([ScheduledSeq(i, context - 1, [1000 + i]) for i in range(batch)])
+    return timed_steps(runner, build_step(seqs, engine.config.max_slots, page, runner.buckets, runner.replicas,
+                                          table_updates(tables), sampling_mode="greedy"), reps)
 
 
 def mixed_step_time(engine: Engine, budget: int, decodes: int, context: int, reps: int) -> float:
@@ -191,12 +187,10 @@ def mixed_step_time(engine: Engine, budget: int, decodes: int, context: int, rep
     chunk_pages = -(-chunk // page)
     tables[decodes, :, :chunk_pages] = 1 + decodes * groups * pages + np.arange(groups * chunk_pages).reshape(
         groups, chunk_pages)
-    sampling = SamplingBatch(np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
-                             np.zeros(slots, np.float32), np.zeros(slots, np.uint32))
     seqs = [ScheduledSeq(i, context - 1, [1000 + i]) for i in range(decodes)]
     seqs.append(ScheduledSeq(decodes, 0, list(range(1000, 1000 + chunk))))
-    return timed_steps(runner, build_step(seqs, sampling, page, runner.buckets, runner.replicas,
-                                          table_updates(tables)), reps)
+    return timed_steps(runner, build_step(StepSeqs.of(seqs), slots, page, runner.buckets, runner.replicas,
+                                          table_updates(tables), sampling_mode="greedy"), reps)
 
 
 def timed_steps(runner, step, reps: int) -> float:

@@ -11,8 +11,7 @@ from jaxserve.worker.kv_pool import allocate_kv_pool
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.worker.sampling import SamplingBatch
-from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step, table_metadata
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step, table_metadata
 
 PAGE = 8
 
@@ -20,8 +19,7 @@ PAGE = 8
 def run_chunk(model, pool, table, start, tokens, bucket, backend="reference"):
     """One step of one sequence: `tokens` at positions start.. through the pool, padded to `bucket`
     tokens (one shape, so one compile, for every step of a sequence). Returns (logits [len(tokens), V], pool)."""
-    greedy = SamplingBatch(*(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.float32, np.uint32)))
-    batch = build_step([ScheduledSeq(0, start, list(tokens))], greedy, PAGE,
+    batch = build_step(StepSeqs.of([ScheduledSeq(0, start, list(tokens))]), 1, PAGE,
                        StepBuckets(max_tokens=bucket, max_seqs=1, min_rows=bucket))
     meta = table_metadata(batch.meta, table, batch.seq_slots, batch.token_seq_slots, PAGE)
     graphdef, state = nnx.split(model)

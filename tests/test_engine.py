@@ -433,9 +433,10 @@ def test_what_a_step_copies_to_the_device_does_not_grow_with_max_model_len(llama
 
 
 def test_block_table_entries_lost_with_a_failed_step_are_sent_again(own_pool_engine, engine, monkeypatch):
-    """The first step fails before its block-table entries reach the device (the pool untouched):
-    its one prompt chunk's request ends with `error`, and the three admitted beside it, whose
-    entries that step carried too, still get a fresh engine's greedy tokens."""
+    """The first step fails before its block-table entries (which go with its forward program)
+    reach the device, the pool untouched: its one prompt chunk's request ends with `error`, and
+    the three admitted beside it, whose entries that step carried too, still get a fresh
+    engine's greedy tokens."""
     small = own_pool_engine.with_strategy("paged", max_num_batched_tokens=16)
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((30, 21, 9, 17))]
     work = {small.add_request(q, GREEDY): q for q in prompts}
@@ -443,14 +444,14 @@ def test_block_table_entries_lost_with_a_failed_step_are_sent_again(own_pool_eng
 
     def executable(key):
         program = real(key)
-        if key[0] != "tables":
+        if key[0] != "forward":
             return program
 
-        def run(tables, updates):
+        def run(*args):
             calls.append(key)
             if len(calls) == 1:
                 raise RuntimeError("the device refused the table entries")
-            return program(tables, updates)
+            return program(*args)
         return run
     monkeypatch.setattr(small.runner.programs, "get", executable)
     errors = set()

@@ -150,12 +150,13 @@ def fields(obj) -> dict:
 def test_a_step_crosses_the_channel_whole():
     from jaxserve.distributed import step_channel
     from jaxserve.worker.sampling import SamplingBatch
-    from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, build_step, table_updates
+    from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step, table_updates
     tables = np.arange(32, dtype=np.int32).reshape(4, 1, 8)
-    sampling = SamplingBatch(np.full(4, 0.5, np.float32), np.arange(4, dtype=np.int32), np.ones(4, np.float32),
-                             np.zeros(4, np.float32), np.arange(4, dtype=np.uint32))
-    batch = build_step([ScheduledSeq(0, 0, [5, 6, 7]), ScheduledSeq(2, 4, [9])], sampling, 8, StepBuckets(16, 4),
-                       table_updates=table_updates(tables))
+    sampling = SamplingBatch(np.full(2, 0.5, np.float32), np.arange(2, dtype=np.int32), np.ones(2, np.float32),
+                             np.zeros(2, np.float32), np.arange(2, dtype=np.uint32))
+    batch = build_step(StepSeqs.of([ScheduledSeq(0, 0, [5, 6, 7]), ScheduledSeq(2, 4, [9])]), 4, 8,
+                       StepBuckets(16, 4), table_updates=table_updates(tables),
+                       sampling_updates=(np.array([0, 2], np.int32), sampling), sampling_mode="cuts")
     assert batch.meta.block_tables is None and len(batch.table_updates) == 31  # every entry but the null page
     for allowed in (None, np.full((2, 3), -1, np.int32)):
         batch.allowed = allowed

@@ -31,8 +31,8 @@ from jaxserve.engine.batching import BlockManager, FinishReason, Request, Schedu
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.model.config import ModelConfig
 from jaxserve.worker.runner import Runner
-from jaxserve.worker.sampling import SamplingBatch
-from jaxserve.worker.step_batch import ScheduledSeq, build_step
+from jaxserve.worker.sampling import SamplingBatch, sampling_mode
+from jaxserve.worker.step_batch import StepBatch, StepSeqs, build_step
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class EngineCore:
         self.grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
         self.idle = True  # the last step had nothing to run
         self._in_flight = None  # the dispatched step whose tokens are not on the host yet
+        self._sampling_mode = "greedy"  # the sample program every slot's parameters need
         self.num_errors = 0
         self.num_steps = 0
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
@@ -129,12 +130,7 @@ class EngineCore:
 
     def _launch(self, schedule):
         """Builds and dispatches a step, and advances the scheduler past it."""
-        seqs = [ScheduledSeq(r.slot, r.num_computed_tokens,
-                             r.token_ids(r.num_computed_tokens, r.num_computed_tokens + n), schedule.samples(r))
-                for r, n in schedule.num_tokens.items()]
-        table = self.scheduler.table
-        batch = build_step(seqs, SamplingBatch.from_table(table), self.config.page_size, self.runner.buckets,
-                           self.runner.replicas, table.take_updates())
+        batch = self._build(schedule)
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
         if constrained:
@@ -146,12 +142,33 @@ class EngineCore:
         self._record(schedule)
         return schedule, batch.rows, in_flight, constrained
 
+    def _build(self, schedule) -> StepBatch:
+        """The step's arrays, from one pass over its requests, with the slot table's changes."""
+        slots, starts, token_ids, sampling = [], [], [], schedule.sampling
+        for request, n in schedule.num_tokens.items():
+            computed = request.num_computed_tokens
+            slots.append(request.slot)
+            starts.append(computed)
+            token_ids += request.token_ids(computed, computed + n)
+        seqs = StepSeqs(np.array(slots, np.int64), np.array(starts, np.int32),
+                        np.fromiter(schedule.num_tokens.values(), np.int32, len(slots)), np.array(token_ids, np.int32),
+                        np.fromiter((r in sampling for r in schedule.num_tokens), bool, len(slots)))
+        table = self.scheduler.table
+        changed = table.take_sampling_updates()
+        updates = None
+        if changed is not None:  # admissions and retirements: the mode is one that covers every slot
+            params = SamplingBatch.from_table(table)
+            self._sampling_mode = sampling_mode(params, self.runner.model_config.vocab_size)
+            updates = changed, params.at(changed)
+        return build_step(seqs, self.config.max_slots, self.config.page_size, self.runner.buckets,
+                          self.runner.replicas, table.take_updates(), updates, self._sampling_mode)
+
     def _record(self, schedule) -> None:
-        decodes = sum(1 for n in schedule.num_tokens.values() if n == 1)
         total = schedule.total_tokens
         self.num_steps += 1
-        self.history.append(StepRecord(time.time(), total, decodes, total - decodes, len(self.scheduler.running),
-                                       len(self.scheduler.waiting), self.blocks.used_pages, self.blocks.cached_pages))
+        self.history.append(StepRecord(time.time(), total, schedule.num_decodes, total - schedule.num_decodes,
+                                       len(self.scheduler.running), len(self.scheduler.waiting),
+                                       self.blocks.used_pages, self.blocks.cached_pages))
 
     def _collect(self, schedule, rows, in_flight, constrained=()) -> list[Request]:
         """Brings a dispatched step's tokens to the host and commits them; the constrained

@@ -42,12 +42,13 @@ from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.worker.sampling import MODES, SamplingBatch, sample, sampling_mode, token_logprobs
+from jaxserve.worker.sampling import MODES, SamplingBatch, sample, token_logprobs
 from jaxserve.worker.step_batch import (StepBatch, StepBuckets, pad_updates, padding_batch, table_metadata,
                                        write_table_entries)
 
 
-TABLE_UPDATES = 256  # block-table entries one program writes: a step with more runs it again
+TABLE_UPDATES = 256  # block-table entries a forward program writes: a step with more writes the rest first
+SAMPLING_UPDATES = 64  # slots' sampling parameters one program writes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,6 +115,7 @@ class Runner:
         self.kv_dtype = storage_dtype(config.kv_dtype, as_bits)
         self.kv_pool = allocate_kv_pool(model.cfg, config.num_pages, config.page_size, self.kv_dtype, kv_sharding)
         self.slot_tokens = self._zeros_slot_tokens()  # [max_slots] each slot's last sampled token
+        self.slot_sampling = self._greedy_slot_sampling()  # [max_slots + 1] each slot's; the last: padding's
         self.pages_per_seq = -(-config.max_model_len // config.page_size)
         self.kv_groups = kv_groups(model.cfg)  # a block table per group and sequence
         self.block_tables = self._zeros_tables()  # [max_slots, G, W] every slot's block tables
@@ -124,6 +126,8 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
+        self._no_table_updates = self._replicated(pad_updates(np.zeros((0, 4), np.int32), 0, TABLE_UPDATES,
+                                                              config.max_slots))
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
         # Each process of a multi-host group keeps its own entries: a program is loaded onto its local devices.
         self.cache = None if config.cache_dir is None else ExecutableCache(
@@ -151,18 +155,15 @@ class Runner:
 
     def _dispatch(self, batch: StepBatch, logprobs: bool) -> InFlight:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
-        write_tables = self.programs.get(("tables", TABLE_UPDATES))
-        for start in range(0, len(batch.table_updates), TABLE_UPDATES):
-            chunk = self._replicated(pad_updates(batch.table_updates, start, TABLE_UPDATES, self.config.max_slots))
-            self.block_tables = write_tables(self.block_tables, chunk)
-        pool, slot_tokens, block_tables, *inputs = self.step_args(batch)
-        forward_inputs, (sampling, positions, sample_slots, allowed) = inputs[:6], inputs[6:]
-        forward = self.programs.get(("forward", tokens))
-        self.kv_pool, hidden = forward(self.state_for(("forward", tokens)), pool, slot_tokens, block_tables,
-                                       *forward_inputs)
-        key = ("sample", rows, sampling_mode(batch.sampling, self.model_config.vocab_size))
+        self._write_sampling(batch.sampling_slots, batch.sampling)
+        updates = self._table_updates(batch.table_updates)
+        forward_inputs, sample_inputs = self.step_inputs(batch)
+        key = ("forward", tokens)
+        self.kv_pool, self.block_tables, hidden = self.programs.get(key)(
+            self.state_for(key), self.kv_pool, self.slot_tokens, self.block_tables, updates, *forward_inputs)
+        key = ("sample", rows, batch.sampling_mode)
         self.slot_tokens, next_tokens, logits = self.programs.get(key)(
-            self.state_for(key), self.slot_tokens, hidden, sampling, positions, sample_slots, allowed)
+            self.state_for(key), self.slot_tokens, self.slot_sampling, hidden, *sample_inputs)
         out = (next_tokens,)
         if logprobs:
             out += tuple(self.programs.get(("logprobs", rows))(logits, next_tokens))
@@ -172,21 +173,52 @@ class Runner:
             x.copy_to_host_async()
         return InFlight(out, logprobs)
 
+    def _table_updates(self, updates: np.ndarray):
+        """The block-table entries that go with the forward program ([TABLE_UPDATES, 4]); any
+        before them are written first. A host array is passed as is: a device_put while a step
+        runs costs the host more than the program's own transfer."""
+        if len(updates) == 0:
+            return self._no_table_updates
+        write_tables = self.programs.get(("tables", TABLE_UPDATES))
+        last = (len(updates) - 1) // TABLE_UPDATES * TABLE_UPDATES
+        for start in range(0, last, TABLE_UPDATES):
+            self.block_tables = write_tables(self.block_tables, self._host_or_replicated(
+                pad_updates(updates, start, TABLE_UPDATES, self.config.max_slots)))
+        return self._host_or_replicated(pad_updates(updates, last, TABLE_UPDATES, self.config.max_slots))
+
+    def _write_sampling(self, slots: np.ndarray, params: SamplingBatch) -> None:
+        """Writes the sampling parameters of the slots that changed (admitted or freed)."""
+        write = self.programs.get(("sampling", SAMPLING_UPDATES)) if len(slots) else None
+        for start in range(0, len(slots), SAMPLING_UPDATES):
+            chunk = np.full(SAMPLING_UPDATES, self.config.max_slots + 1, np.int32)  # past the table: dropped
+            part = slots[start: start + SAMPLING_UPDATES]
+            chunk[: len(part)] = part
+            rows = SamplingBatch.greedy(SAMPLING_UPDATES)
+            for field, values in zip(jax.tree.leaves(rows), jax.tree.leaves(params)):
+                field[: len(part)] = values[start: start + SAMPLING_UPDATES]
+            self.slot_sampling = write(self.slot_sampling, self._host_or_replicated(chunk),
+                                       jax.tree.map(self._host_or_replicated, rows))
+
+    def _host_or_replicated(self, x: np.ndarray):
+        return x if self.mesh is None else self._replicated(x)
+
     def collect(self, step: InFlight) -> StepOutput:
         """Waits for a dispatched step's sampled tokens (the one device-to-host transfer of a step)."""
         out = jax.device_get(step.outputs) if self.mirror is None else self.mirror.run(jax.device_get, step.outputs)
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
-    def step_args(self, batch: StepBatch) -> tuple:
-        """The step's arguments for `batch` but the weights (`state_for`) and its table updates:
-        pool, slot tokens, block tables, then the batch's arrays."""
-        inputs = (batch.tokens, batch.token_slots, batch.meta, batch.seq_slots, batch.token_seq_slots,
-                  batch.logits_indices, batch.sampling, batch.sample_positions, batch.sample_slots)
+    def step_inputs(self, batch: StepBatch) -> tuple[tuple, tuple]:
+        """The batch's arrays the forward program takes (after the weights, pool, slot tokens,
+        block tables and table updates), and those the sample program takes (after the weights,
+        slot tokens, slot sampling parameters and hidden states)."""
+        forward = (batch.tokens, batch.token_slots, batch.meta, batch.seq_slots, batch.token_seq_slots,
+                   batch.logits_indices)
+        sample = (batch.sample_positions, batch.sample_slots)
         if self.mesh is not None:
-            inputs = self._place(inputs)
+            forward, sample = self._place((forward, sample))
         allowed = self._all_allowed(len(batch.sample_slots)) if batch.allowed is None else \
             self._place_rows(batch.allowed)
-        return (self.kv_pool, self.slot_tokens, self.block_tables, *inputs, allowed)
+        return forward, (*sample, allowed)
 
     def state_for(self, key: tuple):
         """The weights the program `key` runs on: the model's, or their copy in the dtype
@@ -207,25 +239,29 @@ class Runner:
 
     # ---- the three programs of a step ----
 
-    def _forward(self, state, kv_pool, slot_tokens, block_tables, tokens, token_slots, meta: StepMetadata,
-                 seq_slots, token_seq_slots, logits_indices):
-        """K/V of every token into the pool; the final hidden states [W, D] of each sequence's last
+    def _forward(self, state, kv_pool, slot_tokens, block_tables, table_updates, tokens, token_slots,
+                 meta: StepMetadata, seq_slots, token_seq_slots, logits_indices):
+        """The table updates [U, 4] into the block tables, then K/V of every token into the pool;
+        returns the pool, the tables and the final hidden states [W, D] of each sequence's last
         token (rows logits_indices [W], a replica's slice after another's)."""
         model = nnx.merge(self.graphdef, state)
+        block_tables = write_table_entries(block_tables, table_updates)
         meta = table_metadata(meta, block_tables, seq_slots, token_seq_slots, self.config.page_size)
         tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], tokens)
         hidden, kv_pool = model.hidden_states(tokens, kv_pool, meta, attend=self.attend, rows=logits_indices)
-        return kv_pool, hidden
+        return kv_pool, block_tables, hidden
 
-    def _sample(self, mode: str, state, slot_tokens, hidden, sampling: SamplingBatch, positions, sample_slots,
+    def _sample(self, mode: str, state, slot_tokens, slot_sampling: SamplingBatch, hidden, positions, sample_slots,
                 allowed):
         """The logits [R, V] of each replica's first R rows of hidden, and one token per row [R],
-        drawn among the tokens allowed [R, M] permits; each sampling row's token also kept in its
-        slot for the next step. The logits returned (for logprobs) are the model's, unmasked."""
+        drawn with its slot's sampling parameters among the tokens allowed [R, M] permits (padding
+        rows read the greedy row past the slots); each sampling row's token also kept in its slot
+        for the next step. The logits returned (for logprobs) are the model's, unmasked."""
         rows = sample_slots.shape[0] // self.replicas
         hidden = hidden.reshape(self.replicas, -1, hidden.shape[-1])[:, :rows].reshape(-1, hidden.shape[-1])
         logits = nnx.merge(self.graphdef, state).logits(hidden)
-        next_tokens = sample(logits, sampling, positions=positions, allowed=allowed, mode=mode)
+        params = slot_sampling.at(jnp.minimum(sample_slots, self.config.max_slots))
+        next_tokens = sample(logits, params, positions=positions, allowed=allowed, mode=mode)
         return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens, logits
 
     def _logprobs(self, logits, tokens):
@@ -237,6 +273,9 @@ class Runner:
 
     def _zeros_slot_tokens(self):
         return self._replicated(np.zeros(self.config.max_slots, np.int32))
+
+    def _greedy_slot_sampling(self) -> SamplingBatch:
+        return jax.tree.map(self._replicated, SamplingBatch.greedy(self.config.max_slots + 1))
 
     def _replicated(self, x: np.ndarray):
         """A host array on the device, or on every device of the mesh."""
@@ -251,6 +290,8 @@ class Runner:
         Returns whether the pool is a new, zeroed one (every K/V it held is gone)."""
         if self.slot_tokens.is_deleted():
             self.slot_tokens = self._zeros_slot_tokens()
+        if any(x.is_deleted() for x in jax.tree.leaves(self.slot_sampling)):
+            self.slot_sampling = self._greedy_slot_sampling()  # the engine writes every running slot's again
         if not self.block_tables.is_deleted() and not any(x.is_deleted() for x in self.kv_pool):
             return False
         self.block_tables = self._zeros_tables()  # their entries are rewritten as the requests run again
@@ -261,10 +302,11 @@ class Runner:
     # ---- compilation ----
 
     def all_programs(self) -> list[tuple]:
-        """The key of every program a step may run: the table updates, forward per token bucket,
-        sample per row bucket and sampling mode, logprobs per row bucket."""
+        """The key of every program a step may run: the table and sampling-parameter updates,
+        forward per token bucket, sample per row bucket and sampling mode, logprobs per row bucket."""
         rows = self.buckets.row_sizes
-        return ([("tables", TABLE_UPDATES)] + [("forward", t) for t in self.buckets.token_sizes]
+        return ([("tables", TABLE_UPDATES), ("sampling", SAMPLING_UPDATES)]
+                + [("forward", t) for t in self.buckets.token_sizes]
                 + [("sample", r, m) for r in rows for m in MODES] + [("logprobs", r) for r in rows])
 
     def program(self, key: tuple):
@@ -272,8 +314,7 @@ class Runner:
         kind, size = key[:2]
         tokens, rows = (size, self.buckets.min_rows) if kind == "forward" else (self.buckets.token_sizes[0], size)
         batch = padding_batch(tokens, rows, self.buckets, self.config.max_slots, self.replicas)
-        pool, slot_tokens, block_tables, *inputs = self.step_args(batch)
-        forward_inputs, (sampling, positions, sample_slots, allowed) = inputs[:6], inputs[6:]
+        forward_inputs, sample_inputs = self.step_inputs(batch)
         state = self.state_for(key)
         rows, width = self.replicas * size, self.replicas * self.buckets.max_rows
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
@@ -282,13 +323,17 @@ class Runner:
                                       sharding=self._rows_sharding((width, self.model_config.hidden_size)))
         if kind == "tables":
             fn, donate = write_table_entries, (0,)
-            args = (block_tables, self._replicated(pad_updates(np.zeros((0, 4), np.int32), 0, TABLE_UPDATES, 0)))
+            args = (self.block_tables, self._no_table_updates)
+        elif kind == "sampling":
+            fn, donate = _write_slot_sampling, (0,)
+            args = (self.slot_sampling, self._replicated(np.zeros(size, np.int32)),
+                    jax.tree.map(self._replicated, SamplingBatch.greedy(size)))
         elif kind == "forward":
-            fn, donate = self._forward, (1,)
-            args = (state, pool, slot_tokens, block_tables, *forward_inputs)
+            fn, donate = self._forward, (1, 3)
+            args = (state, self.kv_pool, self.slot_tokens, self.block_tables, self._no_table_updates, *forward_inputs)
         elif kind == "sample":
             fn, donate = functools.partial(self._sample, key[2]), (1,)
-            args = (state, slot_tokens, hidden, sampling, positions, sample_slots, allowed)
+            args = (state, self.slot_tokens, self.slot_sampling, hidden, *sample_inputs)
         else:
             fn, donate = self._logprobs, ()
             args = (logits, jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._rows_sharding((rows,))))
@@ -299,11 +344,11 @@ class Runner:
         replicated = sharding.replicated(self.mesh)
         kv = (self.kv_sharding, self.kv_sharding)
         shardings = jax.tree.map(lambda x: x.sharding, args)
-        if kind == "tables":
+        if kind in ("tables", "sampling"):
             out = replicated
         elif kind == "forward":
             shardings = (self.param_shardings, kv, *shardings[2:])
-            out = (kv, hidden.sharding)
+            out = (kv, replicated, hidden.sharding)
         elif kind == "sample":
             shardings = (self.param_shardings, *shardings[1:])
             out = (replicated, replicated, logits.sharding)
@@ -331,3 +376,6 @@ class Runner:
         return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
 
 
+def _write_slot_sampling(slot_sampling: SamplingBatch, slots, rows: SamplingBatch) -> SamplingBatch:
+    """slot_sampling [slots + 1] with rows [n] written at `slots` [n]; slots past the table drop."""
+    return jax.tree.map(lambda table, values: table.at[slots].set(values, mode="drop"), slot_sampling, rows)

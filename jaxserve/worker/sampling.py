@@ -42,6 +42,16 @@ class SamplingBatch:
         """Host arrays of a scheduler `SlotTable`, a row per slot."""
         return cls(table.temperature, table.top_k, table.top_p, table.min_p, table.seed)
 
+    @classmethod
+    def greedy(cls, rows: int) -> "SamplingBatch":
+        """Host rows [rows] that pick the most likely token, with no cut (no sorting path)."""
+        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
+                   np.zeros(rows, np.float32), np.zeros(rows, np.uint32))
+
+    def at(self, rows) -> "SamplingBatch":
+        """The rows `rows` of every field."""
+        return jax.tree.map(lambda x: x[rows], self)
+
 
 def sampling_mode(params: SamplingBatch, vocab: int) -> str:
     """The program a batch of host rows [B] (padding rows too) needs: "greedy" (every row),

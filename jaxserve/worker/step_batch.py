@@ -45,7 +45,7 @@ from jaxserve.worker.sampling import SamplingBatch
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence of a step."""
+    """One sequence of a step (tests and benchmarks build steps from these; see `StepSeqs.of`)."""
 
     slot: int  # its row in the slot table (block table, sampling parameters)
     start: int  # position of its first token this step: the tokens already in the pool
@@ -54,18 +54,39 @@ class ScheduledSeq:
 
 
 @dataclasses.dataclass
+class StepSeqs:
+    """The sequences of one step as columns [n], in step order (the scheduler fills them in one
+    pass over its requests, with no object per sequence)."""
+
+    slots: np.ndarray  # int64: each one's slot
+    starts: np.ndarray  # int32: the position of its first token this step
+    lens: np.ndarray  # int32: the tokens it runs
+    token_ids: np.ndarray  # int32 [sum(lens)]: every sequence's tokens, one after another
+    samples: np.ndarray  # bool: whether its last token here is its last uncomputed one
+
+    @classmethod
+    def of(cls, seqs: Sequence[ScheduledSeq]) -> "StepSeqs":
+        return cls(np.array([s.slot for s in seqs], np.int64), np.array([s.start for s in seqs], np.int32),
+                   np.array([len(s.token_ids) for s in seqs], np.int32),
+                   np.array([t for s in seqs for t in s.token_ids], np.int32).reshape(-1),
+                   np.array([s.samples for s in seqs], bool))
+
+
+@dataclasses.dataclass
 class StepBatch:
     tokens: np.ndarray  # [T] int32
     token_slots: np.ndarray  # [T] int32
     meta: StepMetadata  # slot_mapping and block_tables None: read on the device (`table_metadata`)
     logits_indices: np.ndarray  # [W] int32
-    sampling: SamplingBatch  # [R] rows
     sample_positions: np.ndarray  # [R] int32
     sample_slots: np.ndarray  # [R] int32
     rows: np.ndarray  # [n] where each scheduled sequence's sampled token lands in the [R] outputs
     seq_slots: np.ndarray  # [S] int32
     token_seq_slots: np.ndarray  # [T] int32
     table_updates: np.ndarray  # [n, 4] int32 (slot, group, index, page)
+    sampling_slots: np.ndarray  # [m] int32: the slots whose sampling parameters changed ...
+    sampling: SamplingBatch  # [m] ... and their new ones
+    sampling_mode: str = "cuts"  # the sample program's mode, one that covers every slot's parameters
     num_tokens: int = 0  # real tokens (the rest of T is padding)
     allowed: np.ndarray | None = None  # [R, ceil(V / 32)] int32 token bitmasks; None: no row is constrained
 
@@ -128,63 +149,68 @@ class StepBuckets:
                 next(s for s in self.row_sizes if s >= num_seqs))
 
 
-def build_step(seqs: Sequence[ScheduledSeq], sampling: SamplingBatch, page_size: int, buckets: StepBuckets,
-               replicas: int = 1, table_updates: np.ndarray | None = None) -> StepBatch:
-    """The padded arrays of one step. sampling ([slots] rows) is the slot table's, and each
-    sequence reads its slot's row; table_updates [n, 4] go with the step to the device."""
-    num_slots = len(sampling.temperature)
-    groups: list[list[int]] = [[] for _ in range(replicas)]
-    for i, seq in enumerate(seqs):
-        groups[seq.slot % replicas].append(i)
-    t_size, r_size = buckets.shape(max(sum(len(seqs[i].token_ids) for i in g) for g in groups),
-                                   max(len(g) for g in groups))
+def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuckets, replicas: int = 1,
+               table_updates: np.ndarray | None = None, sampling_updates=None, sampling_mode: str = "cuts") -> StepBatch:
+    """The padded arrays of one step, with numpy operations only (no pass per sequence in Python).
+    table_updates [n, 4] and sampling_updates (slots [m], SamplingBatch [m]) go with the step to
+    the device, where the slot table's block tables and sampling parameters live."""
+    n = len(seqs.slots)
+    lens = seqs.lens.astype(np.int32)
+    replica = seqs.slots % replicas
+    order = np.argsort(replica, kind="stable") if replicas > 1 else np.arange(n)  # replica 0's, then 1's, ...
+    counts = np.bincount(replica, minlength=replicas)
+    token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
+    t_size, r_size = buckets.shape(int(token_counts.max(initial=0)), int(counts.max(initial=0)))
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
+    slots, starts, lens, samples = seqs.slots[order], seqs.starts[order], lens[order], seqs.samples[order]
+    first_seq = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each replica's first sequence (in `order`)
+    index = np.arange(n) - first_seq[replica[order]]  # each sequence's place within its replica
+    rep = replica[order]
+    ends = np.cumsum(lens)  # over all replicas; each replica's own cumsum subtracts its start
+    starts_in_flat = ends - lens
+    rep_token0 = np.concatenate([[0], np.cumsum(token_counts)[:-1]])
+    local_ends = ends - rep_token0[rep]  # within the replica
+    total = int(ends[-1]) if n else 0
+    seq_of_token = np.repeat(np.arange(n), lens)
+    offset_in_seq = np.arange(total) - starts_in_flat[seq_of_token]
+    token_rows = rep[seq_of_token] * t_size + local_ends[seq_of_token] - lens[seq_of_token] + offset_in_seq
+    flat_ids = seqs.token_ids
+    if replicas > 1:  # the token ids in `order`
+        src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]
+        flat_ids = flat_ids[src_start[seq_of_token] + offset_in_seq]
+
     tokens = np.zeros(replicas * t_size, np.int32)
+    token_slots = np.full(replicas * t_size, -1, np.int32)
     positions = np.zeros(replicas * t_size, np.int32)
+    token_seq_slots = np.full(replicas * t_size, -1, np.int32)
+    on_device = flat_ids < 0
+    tokens[token_rows] = np.where(on_device, 0, flat_ids)
+    token_slots[token_rows] = np.where(on_device, slots[seq_of_token], -1)
+    positions[token_rows] = starts[seq_of_token] + offset_in_seq
+    token_seq_slots[token_rows] = slots[seq_of_token]
+
+    seq_rows = rep * s_size + index
     kv_lens = np.zeros(replicas * s_size, np.int32)
     seq_slots = np.zeros(replicas * s_size, np.int32)
-    query_start = np.zeros(replicas * (s_size + 1), np.int32)
-    num_seqs = np.zeros(replicas, np.int32)
+    kv_lens[seq_rows] = starts + lens
+    seq_slots[seq_rows] = slots
+    query_start = np.zeros((replicas, s_size + 1), np.int32)  # past a replica's last sequence: its total
+    query_start[:, 1:] = token_counts[:, None]
+    query_start[rep, index + 1] = local_ends
     logits_indices = np.zeros(replicas * w_size, np.int32)
-    slots = np.zeros(replicas * r_size, np.int64)
+    logits_indices[rep * w_size + index] = rep * t_size + local_ends - 1
+    rows = np.zeros(n, np.int64)
+    rows[order] = rep * r_size + index
     sample_positions = np.zeros(replicas * r_size, np.int32)
     sample_slots = np.full(replicas * r_size, num_slots, np.int32)
-    slot_of_token = np.full(replicas * t_size, -1, np.int64)
-    real = np.zeros(replicas * r_size, bool)
-    rows = np.zeros(len(seqs), np.int64)
-    for r, group in enumerate(groups):
-        n = len(group)
-        t0, s0, r0 = r * t_size, r * s_size, r * r_size
-        lens = np.fromiter((len(seqs[i].token_ids) for i in group), np.int32, n)
-        starts = np.fromiter((seqs[i].start for i in group), np.int32, n)
-        ends = np.cumsum(lens, dtype=np.int32)
-        total = int(ends[-1]) if n else 0
-        seq_of_token = np.repeat(np.arange(n), lens)
-        pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - (ends - lens)[seq_of_token]
-        group_slots = np.fromiter((seqs[i].slot for i in group), np.int64, n)
-        tokens[t0: t0 + total] = [t for i in group for t in seqs[i].token_ids]
-        sample_slots[r0: r0 + n] = np.where([seqs[i].samples for i in group], group_slots, num_slots)
-        positions[t0: t0 + total] = pos
-        slot_of_token[t0: t0 + total] = group_slots[seq_of_token]
-        kv_lens[s0: s0 + n] = starts + lens
-        seq_slots[s0: s0 + n] = group_slots
-        q0 = r * (s_size + 1)
-        query_start[q0 + 1: q0 + 1 + n] = ends
-        query_start[q0 + 1 + n: q0 + 1 + s_size] = total
-        num_seqs[r] = n
-        logits_indices[r * w_size: r * w_size + n] = t0 + ends - 1
-        sample_positions[r0: r0 + n] = starts + lens
-        slots[r0: r0 + n] = group_slots
-        real[r0: r0 + n] = True
-        rows[group] = r0 + np.arange(n)
+    sample_positions[rows[order]] = starts + lens
+    sample_slots[rows[order]] = np.where(samples, slots, num_slots)
     meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
-                        query_start=query_start, num_seqs=num_seqs)
-    on_device = tokens < 0
-    return StepBatch(np.where(on_device, 0, tokens), np.where(on_device, slot_of_token, -1).astype(np.int32), meta,
-                     logits_indices, _sampling_rows(sampling, slots, real), sample_positions, sample_slots, rows,
-                     seq_slots, slot_of_token.astype(np.int32),
-                     np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
-                     num_tokens=sum(len(seq.token_ids) for seq in seqs))
+                        query_start=query_start.reshape(-1), num_seqs=counts.astype(np.int32))
+    sampling_slots, sampling = sampling_updates if sampling_updates is not None else _no_sampling_updates()
+    return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
+                     token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
+                     sampling_slots, sampling, sampling_mode, num_tokens=total)
 
 
 def table_metadata(meta: StepMetadata, block_tables, seq_slots, token_seq_slots, page_size: int) -> StepMetadata:
@@ -205,12 +231,8 @@ def table_updates(block_tables: np.ndarray) -> np.ndarray:
     return np.concatenate([index, block_tables[tuple(index.T)][:, None]], axis=1).astype(np.int32)
 
 
-def _sampling_rows(sampling: SamplingBatch, slots: np.ndarray, real: np.ndarray) -> SamplingBatch:
-    """Each sequence's sampling parameters; padding rows greedy and unfiltered (no sorting path)."""
-    def rows(values, pad):
-        return np.where(real, np.asarray(values)[slots], pad).astype(np.asarray(values).dtype)
-    return SamplingBatch(rows(sampling.temperature, 0), rows(sampling.top_k, 0), rows(sampling.top_p, 1),
-                         rows(sampling.min_p, 0), rows(sampling.seed, 0))
+def _no_sampling_updates() -> tuple[np.ndarray, SamplingBatch]:
+    return np.zeros(0, np.int32), SamplingBatch.greedy(0)
 
 
 def pad_updates(updates: np.ndarray, start: int, size: int, drop_slot: int) -> np.ndarray:
@@ -234,10 +256,8 @@ def padding_batch(tokens: int, rows: int, buckets: StepBuckets, max_slots: int, 
     writes only the null page (the shapes a program is compiled for)."""
     r, seqs, width = replicas, buckets.seqs(tokens), buckets.max_rows
     zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
-    greedy = SamplingBatch(np.zeros(r * rows, np.float32), zeros(r * rows), np.ones(r * rows, np.float32),
-                           np.zeros(r * rows, np.float32), np.zeros(r * rows, np.uint32))
     meta = StepMetadata(positions=zeros(r * tokens), slot_mapping=None, kv_lens=zeros(r * seqs), block_tables=None,
                         query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
-    return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), greedy, zeros(r * rows),
+    return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), zeros(r * rows),
                      np.full(r * rows, max_slots, np.int32), zeros(0), zeros(r * seqs), zeros(r * tokens) - 1,
-                     np.zeros((0, 4), np.int32))
+                     np.zeros((0, 4), np.int32), *_no_sampling_updates())

@@ -88,6 +88,7 @@ class KVCacheManager:
             if len(table) < stop:
                 table.extend(self.blocks.allocate(stop - len(table), g))
                 changed = True
+        request.num_table_tokens = min(map(len, request.pages)) * self.page_size
         return changed
 
     def drop_out_of_window(self, request: Request) -> list[tuple[int, int]]:
@@ -113,7 +114,7 @@ class KVCacheManager:
         """Frees every page of the request, each group's tail first (evicted before its head)."""
         for table in request.pages:
             self.blocks.free([p for p in reversed(table) if p])
-        request.pages = []
+        request.pages, request.num_table_tokens = [], 0
 
     # ---- the prefix cache ----
 

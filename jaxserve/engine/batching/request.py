@@ -52,6 +52,7 @@ class Request:
     finish_reason: FinishReason | None = None
     slot: int | None = None
     pages: list[list[int]] = dataclasses.field(default_factory=list)  # per group: page ids, 0 out of its window
+    num_table_tokens: int = 0  # the tokens every group's table reaches: past them a step needs new pages
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     stopping: bool = False

@@ -70,6 +70,7 @@ class Schedule:
     admitted: list[Request]
     preempted: list[Request]
     sampling: set[Request] = dataclasses.field(default_factory=set)  # whose last uncomputed token runs
+    num_decodes: int = 0  # the requests that run one token (the first ones of num_tokens)
 
     @property
     def empty(self) -> bool:
@@ -85,11 +86,14 @@ class Schedule:
 
 
 class SlotTable:
-    """Per-slot sampling parameters (host arrays), and the block-table entries written since
-    `take_updates` (the runner's tables on the device follow them)."""
+    """Per-slot sampling parameters (host arrays), and what changed since the runner last took it:
+    the block-table entries written (`take_updates`) and the slots whose sampling parameters
+    changed (`take_sampling_updates`). The runner keeps both tables on the device and applies
+    these changes with the next step."""
 
     def __init__(self, max_slots: int):
         self._updates: list[tuple[int, int, int, int]] = []  # (slot, group, index, page)
+        self._sampling_changed: set[int] = set()
         self.temperature = np.zeros(max_slots, np.float32)
         self.top_k = np.zeros(max_slots, np.int32)
         self.top_p = np.ones(max_slots, np.float32)
@@ -101,6 +105,7 @@ class SlotTable:
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[slot] = request.seed
+        self._sampling_changed.add(slot)
         self.write_pages(slot, request)
 
     def write_pages(self, slot: int, request: Request, start: Sequence[int] | None = None) -> None:
@@ -115,20 +120,30 @@ class SlotTable:
         self._updates.extend((slot, g, i, 0) for g, i in entries)
 
     def write_all(self, requests: Sequence[Request]) -> None:
-        """Records every entry of the requests' block tables again (after a failed step, whose
-        entries may not have reached the device)."""
+        """Records every entry of the requests' block tables and their sampling parameters again
+        (after a failed step, whose changes may not have reached the device)."""
         for request in requests:
             self.write_pages(request.slot, request)
+            self._sampling_changed.add(request.slot)
 
     def take_updates(self) -> np.ndarray:
         """[n, 4] int32 (slot, group, index, page): the entries recorded since the last call, in order."""
         updates, self._updates = np.array(self._updates, np.int32).reshape(-1, 4), []
         return updates
 
+    def take_sampling_updates(self) -> np.ndarray | None:
+        """The slots [m] (int32, ascending) whose sampling parameters changed since the last call;
+        None if none did (most steps)."""
+        if not self._sampling_changed:
+            return None
+        slots, self._sampling_changed = np.array(sorted(self._sampling_changed), np.int32), set()
+        return slots
+
     def clear(self, slot: int) -> None:
         """A freed slot's sampling parameters back to greedy. Its block-table entries stay: a step
         reads none past a sequence's length, and the next request in the slot writes its own."""
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = 0, 0, 1, 0
+        self._sampling_changed.add(slot)
 
 
 class Scheduler:
@@ -167,59 +182,69 @@ class Scheduler:
     # ---- one iteration ----
 
     def schedule(self) -> Schedule:
-        preempted = self._grow_running()
+        if self.kv.has_windows:
+            self._drop_out_of_window()
+        decodes, chunks, preempted = self._grow_running()
         admitted = [] if preempted else self._admit()
-        tokens = self._fill_budget()
-        return Schedule(tokens, admitted, preempted, {r for r, n in tokens.items() if n == r.num_uncomputed_tokens})
-
-    def _fill_budget(self) -> dict[Request, int]:
-        tokens: dict[Request, int] = {}
-        chunks = []
-        for request in self.running:  # decodes first: at most max_slots <= budget of them
+        for request in admitted:
             left = request.num_uncomputed_tokens
-            if left == 1:
-                if not request.stopping:
-                    tokens[request] = 1
-            elif left > 1:
-                chunks.append((request, left))
+            decodes.append(request) if left == 1 else chunks.append((request, left))
+        return self._fill_budget(decodes, chunks, admitted, preempted)
+
+    def _fill_budget(self, decodes: list[Request], chunks: list[tuple[Request, int]], admitted, preempted) -> Schedule:
+        """One token for every decode (at most max_slots <= budget of them), then prompt chunks in
+        admission order while the budget lasts."""
+        tokens = dict.fromkeys(decodes, 1)
+        sampling = set(decodes)
         budget = self.config.max_num_batched_tokens - len(tokens)
-        for request, left in chunks:  # then prompt chunks, in admission order
+        for request, left in chunks:
             if budget == 0:
                 break
             if left > budget and not self.config.enable_chunked_prefill:
                 break  # whole prompts only: this one and those behind it wait for a step with room
-            tokens[request] = min(left, budget)
-            budget -= tokens[request]
-        return tokens
+            n = tokens[request] = min(left, budget)
+            budget -= n
+            if n == left:
+                sampling.add(request)
+        return Schedule(tokens, admitted, preempted, sampling, num_decodes=len(decodes))
 
-    def _grow_running(self) -> list[Request]:
-        """Frees what sliding windows left behind, then gives each running sequence the pages its
-        tokens need; preempts the newest when out."""
-        if self.kv.has_windows:
-            for request in self.running:
-                dropped = self.kv.drop_out_of_window(request)
-                if dropped:
-                    self.table.write_null(request.slot, dropped)
-        preempted = []
-        page_size = self.blocks.page_size
+    def _drop_out_of_window(self) -> None:
+        """Frees what sliding windows left behind."""
+        for request in self.running:
+            dropped = self.kv.drop_out_of_window(request)
+            if dropped:
+                self.table.write_null(request.slot, dropped)
+
+    def _grow_running(self) -> tuple[list[Request], list[tuple[Request, int]], list[Request]]:
+        """Gives each running sequence the pages its tokens need, preempting the newest when out,
+        in one pass that also sorts them: (decodes, (prompt chunk, tokens left), preempted)."""
+        decodes, chunks, preempted = [], [], []
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or request.stopping:
-                continue  # preempted earlier in this loop, or its last token is sampled
-            if request.num_tokens <= min(map(len, request.pages)) * page_size:
-                continue  # every group's table reaches past its tokens: no page to add (most steps)
-            needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens,
-                                          request.num_tokens)
-            while needed > 0 and not self.blocks.can_allocate(needed):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if needed > 0 and request.status is RequestStatus.RUNNING:
-                lengths = [len(t) for t in request.pages]
-                self.kv.grow(request, request.num_tokens)
-                self.table.write_pages(request.slot, request, lengths)
-        return preempted
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop (only those after the current one are)
+            total = request.num_tokens
+            if request.stopping:  # its last token is sampled: nothing to run
+                continue
+            if total > request.num_table_tokens:  # a page to add (a few requests a step)
+                needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens, total)
+                while needed > 0 and not self.blocks.can_allocate(needed):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
+                    continue
+                if needed > 0:
+                    lengths = [len(t) for t in request.pages]
+                    self.kv.grow(request, total)
+                    self.table.write_pages(request.slot, request, lengths)
+            left = total - request.num_computed_tokens
+            if left == 1:
+                decodes.append(request)
+            elif left > 1:
+                chunks.append((request, left))
+        return decodes, chunks, preempted
 
     def _admit(self) -> list[Request]:
         admitted, held_back = [], []
@@ -272,7 +297,7 @@ class Scheduler:
         the prefix cache."""
         if not self.blocks.enable_caching or request.num_computed_tokens // self.blocks.page_size <= \
                 request.num_cached_pages:
-            return  # no page filled since (the common case, checked first: this runs per request per step)
+            return  # no page filled since (the common case)
         known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
         full = known // self.blocks.page_size
         if full <= request.num_cached_pages:
@@ -327,16 +352,19 @@ class Scheduler:
         """Right after a step is dispatched: every scheduled request has computed its tokens, and
         each one that sampled holds a pending token (the last one, if it reaches max_tokens or
         the context)."""
+        sampling, max_model_len = schedule.sampling, self.config.max_model_len
+        caching, page_size = self.blocks.enable_caching, self.blocks.page_size
         for request, n in schedule.num_tokens.items():
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += n
-            if request in schedule.sampling:
+            if request in sampling:
                 request.num_pending_tokens += 1
                 outputs = len(request.output_token_ids) + request.num_pending_tokens
                 request.stopping = (outputs >= request.params.max_tokens
-                                    or request.num_tokens >= self.config.max_model_len)
-            self._cache_computed_pages(request)
+                                    or request.num_prompt_tokens + outputs >= max_model_len)
+            if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
+                self._cache_computed_pages(request)  # a page filled: a few requests a step
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
@@ -345,11 +373,11 @@ class Scheduler:
         finished = []
         now = self.clock()
         eos = self.config.eos_token_ids
-        tokens = tokens.tolist()  # Python ints, once
-        for i, request in enumerate(schedule.num_tokens):
-            if request not in schedule.sampling or request.finished:
+        caching, page_size = self.blocks.enable_caching, self.blocks.page_size
+        sampling = schedule.sampling
+        for i, (request, token) in enumerate(zip(schedule.num_tokens, tokens.tolist())):
+            if request not in sampling or request.finished:
                 continue  # a prompt chunk that is not the last, or aborted meanwhile
-            token = tokens[i]
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
             if logprobs is not None:
@@ -359,12 +387,12 @@ class Scheduler:
             params = request.params
             if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos):
                 self.finish(request, FinishReason.STOP)
+                finished.append(request)
             elif request.stopping and not request.num_pending_tokens:
                 self.finish(request, FinishReason.LENGTH)
-            else:
-                self._cache_computed_pages(request)
-            if request.finished:
                 finished.append(request)
+            elif caching and request.num_computed_tokens // page_size > request.num_cached_pages:
+                self._cache_computed_pages(request)
         return finished
 
     def finish(self, request: Request, reason: FinishReason) -> None:
