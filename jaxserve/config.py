@@ -41,6 +41,9 @@ class EngineConfig:
     # Schedule and dispatch step N+1 before step N's tokens reach the host. None: on accelerators
     # only (on a 2-core CPU the host thread competes with XLA's: steps in order ran 5% faster).
     async_scheduling: bool | None = None
+    # Decode steps one dispatch runs when every running request decodes (sampling and the EOS,
+    # stop-id and max_tokens checks on the device); a request that arrives meanwhile waits for them.
+    decode_steps: int = 1
     max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
     mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
 
@@ -56,7 +59,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be an integer > 0, got {self.kv_cache_bytes!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("max_slots", "page_size", "batch_size", "max_num_batched_tokens", "max_waiting"):
+        for name in ("max_slots", "page_size", "batch_size", "max_num_batched_tokens", "max_waiting", "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")

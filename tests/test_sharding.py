@@ -62,7 +62,8 @@ def check_list(hf_llama: str, tmp: str) -> list[list[str]]:
     """Every check, as [name, *args]: one jax start for all of them, not one each."""
     return ([["generate", shape] for shape in MESHES] +
             [["layouts"], ["replicated_kv"], ["generate", "2x4", "pallas", "16"],
-             ["generate", "2x4", "reference", "8", "4"], ["bad_meshes"], ["from_disk", hf_llama, *MESHES],
+             ["generate", "2x4", "reference", "8", "4"], ["generate", "2x4", "reference", "8", "4", "4"],
+             ["bad_meshes"], ["from_disk", hf_llama, *MESHES],
              ["orbax", tmp]])
 
 
@@ -126,6 +127,15 @@ def test_a_sliding_window_layer_reads_its_own_groups_tables_per_shard(checks):
     assert run_check(checks, "generate", "2x4", "reference", "8", "4")["tokens"] == expected
 
 
+def test_several_decode_steps_per_dispatch_under_a_mesh(checks):
+    """Four decode steps per dispatch, each replica's rows apart, with a sliding-window layer."""
+    from jaxserve import Engine
+    cfg = tiny_config(layer_windows=(4, None))
+    expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config()))
+    got = run_check(checks, "generate", "2x4", "reference", "8", "4", "4")
+    assert got["tokens"] == expected and got["multi_steps"] > 0
+
+
 def test_bad_meshes_raise_clear_errors(checks):
     run_check(checks, "bad_meshes")
 
@@ -160,15 +170,18 @@ def test_orbax_save_then_restore_under_another_mesh(checks, reference_tokens):
 
 # ---- the checks, run in the subprocess ----
 
-def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", window: str = "") -> dict:
+def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", window: str = "",
+                   decode_steps: str = "1") -> dict:
     from jaxserve import Engine
     cfg = tiny_config(head_dim=int(head_dim), layer_windows=(int(window), None) if window else None)
-    engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)).replace(attention_backend=backend))
+    engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)).replace(
+        attention_backend=backend, decode_steps=int(decode_steps)))
     assert engine.runner.config.attention_backend == backend
     tokens = generate(engine)
     before = engine.stats()["num_compiles"]
     assert generate(engine) == tokens
-    return {"tokens": tokens, "compiles_added_by_repeat": engine.stats()["num_compiles"] - before}
+    return {"tokens": tokens, "compiles_added_by_repeat": engine.stats()["num_compiles"] - before,
+            "multi_steps": sum(1 for s in engine.history if s.tokens > s.decode_rows + s.prefill_tokens)}
 
 
 def check_from_disk(path: str, *shapes: str) -> dict:

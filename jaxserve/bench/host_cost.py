@@ -31,7 +31,8 @@ from jaxserve.model.weights import expected_shapes
 VOCAB = 1024
 
 
-def tiny_engine(sequences: int, context: int, steps: int, max_model_len: int, layers: int, hidden: int) -> Engine:
+def tiny_engine(sequences: int, context: int, steps: int, max_model_len: int, layers: int, hidden: int,
+                decode_steps: int = 1) -> Engine:
     """A random Llama of `layers` x `hidden` with a context of `max_model_len`, and a KV pool that
     holds `sequences` sequences of `4 context + steps` tokens (the first ones decode while the last
     ones prefill), and one of max_model_len, as the engine asks. Its steps run up to 4 tokens per
@@ -43,15 +44,17 @@ def tiny_engine(sequences: int, context: int, steps: int, max_model_len: int, la
     weights = {name: (rng.standard_normal(shape) * 0.05 + (1.0 if "norm" in name else 0.0)).astype(np.float32)
                for name, shape in expected_shapes(cfg).items()}
     pages = max(sequences * (-(-(4 * context + steps + 1) // 16) + 1), max_model_len // 16 + 1) + 1
+    several = {"decode_steps": decode_steps} if decode_steps > 1 else {}  # older commits lack the field
     config = EngineConfig(max_slots=sequences, num_pages=pages, max_num_batched_tokens=max(256, 4 * sequences),
-                          dtype="float32", max_model_len=max_model_len)
+                          dtype="float32", max_model_len=max_model_len, **several)
     return Engine(cfg, weights, None, config, model_name=f"random llama {layers}x{hidden}")
 
 
 def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str | None = None) -> dict[str, float]:
     """Starts `sequences` requests of `context` prompt tokens, runs every prefill, then times
-    `steps` decode steps with every sequence decoding: the stepping thread's CPU ms and the wall ms
-    per step (medians); with `trace`, a jax.profiler trace of those steps goes to that folder."""
+    `steps` calls of `Engine.step()` with every sequence decoding: the stepping thread's CPU ms and
+    the wall ms per call (medians), and the tokens each sequence decoded per call (more than one
+    with `decode_steps`); with `trace`, a jax.profiler trace of those steps goes to that folder."""
     rng = np.random.default_rng(1)
     params = SamplingParams(max_tokens=min(3 * context + steps, engine.max_model_len - context), temperature=0,
                             ignore_eos=True)
@@ -63,15 +66,18 @@ def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str
         engine.step()  # every decode program compiled, and the steps overlapping as they will
     assert len(engine.scheduler.running) == sequences, "a sequence finished before the steps were timed"
     cpu, wall = [], []
+    decoded = sum(len(r.output_token_ids) for r in engine.scheduler.running)
     with jax.profiler.trace(trace) if trace else contextlib.nullcontext():
         for _ in range(steps):
             c0, w0 = time.thread_time(), time.perf_counter()
             engine.step()
             cpu.append(time.thread_time() - c0)
             wall.append(time.perf_counter() - w0)
+    decoded = sum(len(r.output_token_ids) for r in engine.scheduler.running) - decoded
     for request in list(engine.scheduler.running):
         engine.abort(request.request_id)
-    return {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3}
+    return {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
+            "tokens_per_call": decoded / (sequences * steps)}
 
 
 def main(argv=None) -> None:
@@ -82,22 +88,26 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", default="32768", help="comma-separated contexts of the model")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps (this commit's)")
     p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of the timed steps, per "
                    "configuration in DIR/SEQUENCES-MAX_MODEL_LEN")
     p.add_argument("--no-header", action="store_true")
     args = p.parse_args(argv)
     configs = [(m, n) for m in map(int, args.max_model_len.split(",")) for n in map(int, args.sequences.split(","))]
     if not args.no_header:
-        print("| max_model_len | sequences | host CPU ms/step | wall ms/step |\n|---|---|---|---|", flush=True)
+        print("| max_model_len | sequences | host CPU ms/step | wall ms/step | tokens per sequence and step |\n"
+              "|---|---|---|---|---|", flush=True)
     if len(configs) > 1:  # each in a process of its own: an engine's pool outlives it in jax's caches
         for m, n in configs:
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--max-model-len", str(m), "--sequences", str(n),
                             "--no-header"], check=True)
         return
     (max_model_len, n), = configs
-    engine = tiny_engine(n, args.context, args.steps, max_model_len, args.layers, args.hidden)
+    engine = tiny_engine(n, args.context, args.steps * args.decode_steps, max_model_len, args.layers, args.hidden,
+                         args.decode_steps)
     row = measure(engine, n, args.context, args.steps, args.trace and f"{args.trace}/{n}-{max_model_len}")
-    print(f"| {max_model_len} | {n} | {row['cpu_ms']:.2f} | {row['wall_ms']:.1f} |", flush=True)
+    print(f"| {max_model_len} | {n} | {row['cpu_ms']:.2f} | {row['wall_ms']:.1f} | {row['tokens_per_call']:.2f} |",
+          flush=True)
 
 if __name__ == "__main__":
     main()

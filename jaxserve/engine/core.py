@@ -31,7 +31,7 @@ from jaxserve.engine.batching import BlockManager, FinishReason, Request, Schedu
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.model.config import ModelConfig
 from jaxserve.worker.runner import Runner
-from jaxserve.worker.sampling import SamplingBatch, sampling_mode
+from jaxserve.worker.sampling import STOP_IDS, SamplingBatch, sampling_mode
 from jaxserve.worker.step_batch import StepBatch, StepSeqs, build_step
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class StepRecord:
 
     time: float  # time.time() at dispatch
     tokens: int  # tokens run (decode tokens plus prompt-chunk tokens)
-    decode_rows: int  # sequences that ran one token
+    decode_rows: int  # sequences that decoded (one token each, or several in a multi-step dispatch)
     prefill_tokens: int  # tokens of prompt chunks
     running: int
     waiting: int
@@ -70,7 +70,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_slots=config.max_slots, max_model_len=max_model_len, max_num_batched_tokens=budget,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            eos_token_ids=model_config.eos_token_ids, kv_group_windows=windows),
+                            eos_token_ids=model_config.eos_token_ids, kv_group_windows=windows,
+                            stop_ids_width=STOP_IDS),
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000))
@@ -129,7 +130,11 @@ class EngineCore:
         return finished
 
     def _launch(self, schedule):
-        """Builds and dispatches a step, and advances the scheduler past it."""
+        """Builds and dispatches a step, and advances the scheduler past it. When every request
+        decodes and none needs the host after each token, the step runs several decode steps."""
+        steps = self.config.decode_steps
+        if steps > 1 and schedule.num_decodes == len(schedule.num_tokens) and not self.scheduler.table.num_host_steps:
+            self.scheduler.look_ahead(schedule, steps)
         batch = self._build(schedule)
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
@@ -145,13 +150,15 @@ class EngineCore:
     def _build(self, schedule) -> StepBatch:
         """The step's arrays, from one pass over its requests, with the slot table's changes."""
         slots, starts, token_ids, sampling = [], [], [], schedule.sampling
+        multi = schedule.decode_steps > 1  # num_tokens counts decode steps of one token each
         for request, n in schedule.num_tokens.items():
             computed = request.num_computed_tokens
             slots.append(request.slot)
             starts.append(computed)
-            token_ids += request.token_ids(computed, computed + n)
+            token_ids += request.token_ids(computed, computed + (1 if multi else n))
+        counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(slots))
         seqs = StepSeqs(np.array(slots, np.int64), np.array(starts, np.int32),
-                        np.fromiter(schedule.num_tokens.values(), np.int32, len(slots)), np.array(token_ids, np.int32),
+                        np.ones_like(counts) if multi else counts, np.array(token_ids, np.int32),
                         np.fromiter((r in sampling for r in schedule.num_tokens), bool, len(slots)))
         table = self.scheduler.table
         changed = table.take_sampling_updates()
@@ -161,12 +168,14 @@ class EngineCore:
             self._sampling_mode = sampling_mode(params, self.runner.model_config.vocab_size)
             updates = changed, params.at(changed)
         return build_step(seqs, self.config.max_slots, self.config.page_size, self.runner.buckets,
-                          self.runner.replicas, table.take_updates(), updates, self._sampling_mode)
+                          self.runner.replicas, table.take_updates(), updates, self._sampling_mode,
+                          counts if multi else None)
 
     def _record(self, schedule) -> None:
         total = schedule.total_tokens
+        prefill = total - schedule.num_decodes if schedule.decode_steps == 1 else 0
         self.num_steps += 1
-        self.history.append(StepRecord(time.time(), total, schedule.num_decodes, total - schedule.num_decodes,
+        self.history.append(StepRecord(time.time(), total, schedule.num_decodes, prefill,
                                        len(self.scheduler.running), len(self.scheduler.waiting),
                                        self.blocks.used_pages, self.blocks.cached_pages))
 
@@ -175,7 +184,7 @@ class EngineCore:
         requests' matchers consume theirs."""
         out = self.runner.collect(in_flight)
         requests = list(schedule.num_tokens)
-        tokens = out.tokens[rows]
+        tokens = out.tokens[..., rows]  # [n], or [steps, n] for several decode steps
         live = [(i, r) for i, r in constrained if not r.finished]  # not aborted meanwhile
         finished = self.scheduler.commit(schedule, tokens, _logprob_dicts(out.logprobs, rows, requests))
         for i, request in live:

@@ -245,4 +245,4 @@ class Engine:
 
 # What the runner's programs and pool are built from: an engine over another's runner keeps them.
 _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_model_len",
-                  "dtype", "kv_cache_dtype", "attention_backend", "mesh"}
+                  "dtype", "kv_cache_dtype", "attention_backend", "mesh", "decode_steps"}

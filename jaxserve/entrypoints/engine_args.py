@@ -62,6 +62,7 @@ _OPTIONS = (
     _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", on_off),
     _Option("--prefix-caching", "enable_prefix_caching", "share prompts' common leading pages (on/off)", on_off),
     _Option("--async-scheduling", "async_scheduling", "schedule step N+1 while step N runs (on/off)", on_off),
+    _Option("--decode-steps", "decode_steps", "decode steps in one dispatch when every request decodes"),
     _Option("--attention-backend", "attention_backend", "attention implementation", str, BACKENDS),
     _Option("--batch-size", "batch_size", "dynamic batching: requests per batch"),
     _Option("--max-batch-delay-ms", "max_batch_delay_ms", "dynamic batching: wait for a batch to fill", float),

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MODES = ("greedy", "random", "cuts")  # what a batch's rows ask, each a program of its own
+STOP_IDS = 8  # the token ids a slot keeps on the device that end its request (multi-step decode)
 
 
 @jax.tree_util.register_dataclass
@@ -36,17 +37,18 @@ class SamplingBatch:
     top_p: jax.Array  # float32
     min_p: jax.Array  # float32
     seed: jax.Array  # uint32
+    stop_ids: jax.Array | None = None  # [B, STOP_IDS] int32: the ids that end each row's request, -1 pads
 
     @classmethod
     def from_table(cls, table) -> "SamplingBatch":
         """Host arrays of a scheduler `SlotTable`, a row per slot."""
-        return cls(table.temperature, table.top_k, table.top_p, table.min_p, table.seed)
+        return cls(table.temperature, table.top_k, table.top_p, table.min_p, table.seed, table.stop_ids)
 
     @classmethod
     def greedy(cls, rows: int) -> "SamplingBatch":
         """Host rows [rows] that pick the most likely token, with no cut (no sorting path)."""
         return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
-                   np.zeros(rows, np.float32), np.zeros(rows, np.uint32))
+                   np.zeros(rows, np.float32), np.zeros(rows, np.uint32), np.full((rows, STOP_IDS), -1, np.int32))
 
     def at(self, rows) -> "SamplingBatch":
         """The rows `rows` of every field."""

@@ -88,6 +88,10 @@ class StepBatch:
     sampling: SamplingBatch  # [m] ... and their new ones
     sampling_mode: str = "cuts"  # the sample program's mode, one that covers every slot's parameters
     num_tokens: int = 0  # real tokens (the rest of T is padding)
+    decode_steps: int = 1  # > 1: every sequence decodes, up to this many steps in one program ...
+    token_steps: np.ndarray | None = None  # [T] int32 ... each token's sequence this many (padding: 0)
+    seq_steps: np.ndarray | None = None  # [S] int32
+    row_steps: np.ndarray | None = None  # [R] int32
     allowed: np.ndarray | None = None  # [R, ceil(V / 32)] int32 token bitmasks; None: no row is constrained
 
     @property
@@ -150,10 +154,14 @@ class StepBuckets:
 
 
 def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuckets, replicas: int = 1,
-               table_updates: np.ndarray | None = None, sampling_updates=None, sampling_mode: str = "cuts") -> StepBatch:
+               table_updates: np.ndarray | None = None, sampling_updates=None, sampling_mode: str = "cuts",
+               decode_steps: np.ndarray | None = None) -> StepBatch:
     """The padded arrays of one step, with numpy operations only (no pass per sequence in Python).
     table_updates [n, 4] and sampling_updates (slots [m], SamplingBatch [m]) go with the step to
-    the device, where the slot table's block tables and sampling parameters live."""
+    the device, where the slot table's block tables and sampling parameters live. decode_steps
+    [n]: every sequence decodes (one token), each up to that many steps in one program; the
+    arrays are its first step's, and the token bucket is the row bucket's (one program per row
+    bucket)."""
     n = len(seqs.slots)
     lens = seqs.lens.astype(np.int32)
     replica = seqs.slots % replicas
@@ -161,6 +169,8 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     counts = np.bincount(replica, minlength=replicas)
     token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
     t_size, r_size = buckets.shape(int(token_counts.max(initial=0)), int(counts.max(initial=0)))
+    if decode_steps is not None:
+        t_size = buckets.shape(r_size, r_size)[0]
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
     slots, starts, lens, samples = seqs.slots[order], seqs.starts[order], lens[order], seqs.samples[order]
     first_seq = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each replica's first sequence (in `order`)
@@ -208,9 +218,19 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
                         query_start=query_start.reshape(-1), num_seqs=counts.astype(np.int32))
     sampling_slots, sampling = sampling_updates if sampling_updates is not None else _no_sampling_updates()
-    return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
-                     token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
-                     sampling_slots, sampling, sampling_mode, num_tokens=total)
+    batch = StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
+                      token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
+                      sampling_slots, sampling, sampling_mode, num_tokens=total)
+    if decode_steps is not None:
+        steps = np.asarray(decode_steps, np.int32)[order]
+        batch.decode_steps = int(steps.max(initial=1))
+        batch.token_steps, batch.seq_steps = np.zeros(len(tokens), np.int32), np.zeros(len(kv_lens), np.int32)
+        batch.row_steps = np.zeros(len(sample_slots), np.int32)
+        batch.token_steps[token_rows] = steps  # one token per sequence: token k is sequence k's
+        batch.seq_steps[seq_rows] = steps
+        batch.row_steps[rows[order]] = steps
+        batch.num_tokens = int(steps.sum())
+    return batch
 
 
 def table_metadata(meta: StepMetadata, block_tables, seq_slots, token_seq_slots, page_size: int) -> StepMetadata:
@@ -260,4 +280,5 @@ def padding_batch(tokens: int, rows: int, buckets: StepBuckets, max_slots: int, 
                         query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
     return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), zeros(r * rows),
                      np.full(r * rows, max_slots, np.int32), zeros(0), zeros(r * seqs), zeros(r * tokens) - 1,
-                     np.zeros((0, 4), np.int32), *_no_sampling_updates())
+                     np.zeros((0, 4), np.int32), *_no_sampling_updates(), token_steps=zeros(r * tokens),
+                     seq_steps=zeros(r * seqs), row_steps=zeros(r * rows))

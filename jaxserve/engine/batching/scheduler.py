@@ -55,6 +55,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     eos_token_ids: tuple[int, ...] = ()
     kv_group_windows: tuple[int | None, ...] = (None,)  # per KV-cache group: its sliding window, None: full
+    stop_ids_width: int = 8  # the stop token ids a slot keeps for the device (multi-step decode)
 
     def __post_init__(self):
         if self.max_num_batched_tokens < self.max_slots:
@@ -71,6 +72,7 @@ class Schedule:
     preempted: list[Request]
     sampling: set[Request] = dataclasses.field(default_factory=set)  # whose last uncomputed token runs
     num_decodes: int = 0  # the requests that run one token (the first ones of num_tokens)
+    decode_steps: int = 1  # > 1: every request decodes, num_tokens[r] steps in one dispatch (`look_ahead`)
 
     @property
     def empty(self) -> bool:
@@ -91,20 +93,33 @@ class SlotTable:
     changed (`take_sampling_updates`). The runner keeps both tables on the device and applies
     these changes with the next step."""
 
-    def __init__(self, max_slots: int):
+    def __init__(self, max_slots: int, eos_token_ids: Sequence[int] = (), stop_ids_width: int = 8):
         self._updates: list[tuple[int, int, int, int]] = []  # (slot, group, index, page)
         self._sampling_changed: set[int] = set()
+        self.eos_token_ids = tuple(eos_token_ids)
         self.temperature = np.zeros(max_slots, np.float32)
         self.top_k = np.zeros(max_slots, np.int32)
         self.top_p = np.ones(max_slots, np.float32)
         self.min_p = np.zeros(max_slots, np.float32)
         self.seed = np.zeros(max_slots, np.uint32)
+        self.stop_ids = np.full((max_slots, stop_ids_width), -1, np.int32)  # EOS unless ignored, stop token ids
+        self.host_steps = np.zeros(max_slots, bool)  # whose request needs the host after every token
+        self.num_host_steps = 0  # slots that do
 
     def fill(self, slot: int, request: Request) -> None:
         p = request.params
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[slot] = request.seed
+        stops = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, : min(len(stops), self.stop_ids.shape[1])] = stops[: self.stop_ids.shape[1]]
+        # Checked on the host token by token: log-probabilities, stop strings, grammars, and stop ids
+        # past what the device keeps. A request with any of them runs single steps.
+        host = (p.logprobs is not None or bool(p.stop) or p.structured_outputs is not None
+                or len(stops) > self.stop_ids.shape[1])
+        self.num_host_steps += int(host) - int(self.host_steps[slot])
+        self.host_steps[slot] = host
         self._sampling_changed.add(slot)
         self.write_pages(slot, request)
 
@@ -143,6 +158,9 @@ class SlotTable:
         """A freed slot's sampling parameters back to greedy. Its block-table entries stay: a step
         reads none past a sequence's length, and the next request in the slot writes its own."""
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = 0, 0, 1, 0
+        self.stop_ids[slot] = -1
+        self.num_host_steps -= int(self.host_steps[slot])
+        self.host_steps[slot] = False
         self._sampling_changed.add(slot)
 
 
@@ -154,7 +172,7 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.kv = KVCacheManager(blocks, config.kv_group_windows, config.max_num_batched_tokens)
-        self.table = SlotTable(config.max_slots)
+        self.table = SlotTable(config.max_slots, config.eos_token_ids, config.stop_ids_width)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
@@ -207,6 +225,31 @@ class Scheduler:
             if n == left:
                 sampling.add(request)
         return Schedule(tokens, admitted, preempted, sampling, num_decodes=len(decodes))
+
+    def look_ahead(self, schedule: Schedule, steps: int) -> bool:
+        """Turns a schedule of decodes only into up to `steps` decode steps in one dispatch: each
+        request runs as many as its max_tokens and the context leave it (num_tokens[r]), and gets
+        now the pages they write. Returns False, the schedule unchanged, when the pages are not
+        free (no one is preempted for it) or no request would run more than one."""
+        max_model_len, plan, needed = self.config.max_model_len, [], 0
+        for request in schedule.num_tokens:
+            n = min(steps, request.params.max_tokens - len(request.output_token_ids) - request.num_pending_tokens,
+                    max_model_len - request.num_tokens)
+            end = request.num_computed_tokens + n
+            if end > request.num_table_tokens:
+                needed += self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens, end)
+            plan.append(n)
+        if max(plan, default=1) <= 1 or not self.blocks.can_allocate(needed):
+            return False
+        for request, n in zip(list(schedule.num_tokens), plan):
+            end = request.num_computed_tokens + n
+            if end > request.num_table_tokens:
+                lengths = [len(t) for t in request.pages]
+                self.kv.grow(request, end)
+                self.table.write_pages(request.slot, request, lengths)
+            schedule.num_tokens[request] = n
+        schedule.decode_steps = steps
+        return True
 
     def _drop_out_of_window(self) -> None:
         """Frees what sliding windows left behind."""
@@ -352,14 +395,14 @@ class Scheduler:
         """Right after a step is dispatched: every scheduled request has computed its tokens, and
         each one that sampled holds a pending token (the last one, if it reaches max_tokens or
         the context)."""
-        sampling, max_model_len = schedule.sampling, self.config.max_model_len
+        sampling, max_model_len, steps = schedule.sampling, self.config.max_model_len, schedule.decode_steps
         caching, page_size = self.blocks.enable_caching, self.blocks.page_size
         for request, n in schedule.num_tokens.items():
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += n
             if request in sampling:
-                request.num_pending_tokens += 1
+                request.num_pending_tokens += n if steps > 1 else 1
                 outputs = len(request.output_token_ids) + request.num_pending_tokens
                 request.stopping = (outputs >= request.params.max_tokens
                                     or request.num_prompt_tokens + outputs >= max_model_len)
@@ -368,31 +411,37 @@ class Scheduler:
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
-        i-th request of the schedule sampled, kept if it sampled. Appends them, retires finished
-        requests, and returns those."""
+        i-th request of the schedule sampled, kept if it sampled; with several decode steps,
+        tokens [steps, n] holds each step's, and a request keeps its first num_tokens[r] up to the
+        one that ends it. Appends them, retires finished requests, and returns those."""
         finished = []
         now = self.clock()
         eos = self.config.eos_token_ids
         caching, page_size = self.blocks.enable_caching, self.blocks.page_size
         sampling = schedule.sampling
-        for i, (request, token) in enumerate(zip(schedule.num_tokens, tokens.tolist())):
+        drawn = np.asarray(tokens).reshape(schedule.decode_steps, -1).T.tolist()  # per request, Python ints
+        for i, ((request, n), row) in enumerate(zip(schedule.num_tokens.items(), drawn)):
             if request not in sampling or request.finished:
                 continue  # a prompt chunk that is not the last, or aborted meanwhile
-            request.num_pending_tokens -= 1
-            request.output_token_ids.append(token)
-            if logprobs is not None:
-                request.logprobs.append(logprobs[i])
             if request.first_token_time is None:
                 request.first_token_time = now
             params = request.params
-            if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos):
-                self.finish(request, FinishReason.STOP)
+            for token in row[:n] if schedule.decode_steps > 1 else row:
+                request.num_pending_tokens -= 1
+                request.output_token_ids.append(token)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs[i])
+                if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos):
+                    self.finish(request, FinishReason.STOP)
+                elif request.stopping and not request.num_pending_tokens:
+                    self.finish(request, FinishReason.LENGTH)
+                else:
+                    continue
                 finished.append(request)
-            elif request.stopping and not request.num_pending_tokens:
-                self.finish(request, FinishReason.LENGTH)
-                finished.append(request)
-            elif caching and request.num_computed_tokens // page_size > request.num_cached_pages:
-                self._cache_computed_pages(request)
+                break
+            else:
+                if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
+                    self._cache_computed_pages(request)
         return finished
 
     def finish(self, request: Request, reason: FinishReason) -> None:
