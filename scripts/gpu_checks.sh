@@ -6,8 +6,9 @@
 #   3. with KERNEL_BENCH=1, the kernel benchmark (ours vs the jnp reference vs jax's shipped decode
 #      kernel; `--kv-splits 1` runs ours without kv splits);
 #   4. the host's CPU time per step at 1 to 256 decoding sequences under a 32k context, with a
-#      jax.profiler trace of those steps (jaxserve.bench.host_cost); decode tokens/s against batch
-#      size, and the batching benchmark, on random Gemma 3 270M;
+#      jax.profiler trace of those steps (jaxserve.bench.host_cost), single steps and 4 decode steps
+#      per dispatch; decode tokens/s against batch size, and the batching benchmark (one request,
+#      and 32) with 1 and 4 decode steps per dispatch, on random Gemma 3 270M;
 #   5. start-up: `jaxserve generate` cold (empty cache) and warm, on random Gemma 3 270M;
 #   6. with RAY_BENCH=1, replicas behind Ray Serve against one engine (`load.py replicas`).
 # The engine's parts (5, then 4) run first: the kernel's figures are in docs/kernels.md already.
@@ -36,10 +37,13 @@ part random_checkpoint 40 $PYTHON scripts/random_checkpoint.py /tmp/gemma3-270m-
 export JAXSERVE_CACHE=/tmp/jaxserve-cache  # empty: the first engine compiles, the later ones load
 part generate_cold 60 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
 part generate_warm 30 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32
-part host_cost 90 $PYTHON -m jaxserve.bench.host_cost --sequences 1,8,64,256 --steps 20 --trace "$LOGS/trace"
-part bench_decode 120 $PYTHON scripts/bench_decode.py --model /tmp/gemma3-270m-random --batches 1,8,64,256 --context 1024 --reps 10
-part bench_batching 100 $PYTHON scripts/bench_batching.py --model /tmp/gemma3-270m-random --strategies none,paged \
-    --num-requests 32 --max-slots 32 --peer hf --json "$LOGS/batching.json"
+part host_cost 75 $PYTHON -m jaxserve.bench.host_cost --sequences 1,8,64,256 --steps 20 --trace "$LOGS/trace"
+part host_cost_steps 45 $PYTHON -m jaxserve.bench.host_cost --sequences 1,64 --steps 20 --decode-steps 4 --trace "$LOGS/trace-steps"
+part bench_decode 90 $PYTHON scripts/bench_decode.py --model /tmp/gemma3-270m-random --batches 1,8,64,256 --context 1024 --reps 10
+part decode_one_request 60 $PYTHON scripts/bench_batching.py --model /tmp/gemma3-270m-random --strategies paged \
+    --num-requests 1 --output-len 256:256 --max-slots 8 --decode-steps 1,4
+part bench_batching 120 $PYTHON scripts/bench_batching.py --model /tmp/gemma3-270m-random --strategies paged \
+    --num-requests 32 --max-slots 32 --decode-steps 1,4 --peer hf --json "$LOGS/batching.json"
 part kernel_tests 70 $PYTHON -m pytest -q -p no:cacheprovider -n 0 tests/test_pallas_ragged_attention.py -k "gpu and not export"
 JAX_DEFAULT_MATMUL_PRECISION=highest part engine_parity 90 $PYTHON -m pytest -q -p no:cacheprovider -n 0 tests/test_token_budget.py
 if [ "${KERNEL_BENCH:-0}" = 1 ]; then part bench_kernels 60 $PYTHON scripts/bench_kernels.py --json "$LOGS/kernels.json"; fi

@@ -415,6 +415,34 @@ def _host_bytes(obj) -> int:
     return obj.nbytes if isinstance(obj, np.ndarray) else 0
 
 
+def test_a_decode_step_copies_one_host_array_to_the_device(engine, monkeypatch):
+    """Once every request decodes, a step's programs take one host array between them (its inputs
+    and block-table entries packed together); what else they read is on the device already."""
+    import jax
+    small = engine.with_strategy("paged")
+    ids = [small.add_request(p, SamplingParams(max_tokens=60, temperature=0.8, seed=1, ignore_eos=True))
+           for p in prompts(4)]
+    while small.scheduler.waiting or any(r.num_uncomputed_tokens > 1 for r in small.scheduler.running):
+        small.step()
+    real, host_arrays = small.runner.programs.get, []
+
+    def counting(key):
+        program = real(key)
+
+        def run(*args):
+            host_arrays.append(sum(isinstance(x, np.ndarray) for x in jax.tree.leaves(args)))
+            return program(*args)
+        return run
+    monkeypatch.setattr(small.runner.programs, "get", counting)
+    for _ in range(12):  # 12 tokens: every sequence crosses a page (8 tokens) at least once
+        small.step()
+    assert len(host_arrays) == 12 * 2 and sum(host_arrays) == 12  # forward and sample; one array a step
+    for i in ids:
+        small.abort(i)
+        small.release(i)
+    assert_idle(small)
+
+
 def test_what_a_step_copies_to_the_device_does_not_grow_with_max_model_len(llama_dir, monkeypatch):
     """The same requests under a context 4x longer copy the same bytes per step: the block tables
     stay on the device, and a step brings only the entries written since the last one."""

@@ -240,10 +240,10 @@ def check_layouts() -> dict:
     check_pool()  # the donated pool keeps its layout across steps
     forward = next(v for k, v in runner.programs.compiled.items() if k[0] == "forward")
     sample = next(v for k, v in runner.programs.compiled.items() if k[0] == "sample")
-    slot_tokens_sharding, tables_sharding, updates_sharding, tokens_sharding = forward.input_shardings[0][2:6]
-    assert tokens_sharding.spec == P("data"), tokens_sharding  # each replica's tokens on its own devices
+    slot_tokens_sharding, tables_sharding, inputs_sharding = forward.input_shardings[0][2:5]
+    assert inputs_sharding.spec == P("data", None), inputs_sharding  # each replica's inputs on its own devices
     assert slot_tokens_sharding.is_fully_replicated  # the last sampled token of every slot, everywhere
-    assert tables_sharding.is_fully_replicated and updates_sharding.is_fully_replicated  # every slot's, everywhere
+    assert tables_sharding.is_fully_replicated  # every slot's block tables, everywhere
     assert forward.output_shardings[2].spec == P("data", None)  # hidden states: each replica's rows
     assert all(s.is_fully_replicated for s in sample.output_shardings[:2])  # slot and sampled tokens, everywhere
     assert sample.output_shardings[2].spec == P("data", None)  # logits: each replica's rows

@@ -43,8 +43,8 @@ from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.worker.sampling import MODES, SamplingBatch, sample, token_logprobs
-from jaxserve.worker.step_batch import (StepBatch, StepBuckets, pad_updates, padding_batch, table_metadata,
-                                       write_table_entries)
+from jaxserve.worker.step_batch import (StepBatch, StepBuckets, StepLayout, pad_updates, padding_batch,
+                                       table_metadata, write_table_entries)
 
 
 TABLE_UPDATES = 256  # block-table entries a forward program writes: a step with more writes the rest first
@@ -127,8 +127,6 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
-        self._no_table_updates = self._replicated(pad_updates(np.zeros((0, 4), np.int32), 0, TABLE_UPDATES,
-                                                              config.max_slots))
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
         # Each process of a multi-host group keeps its own entries: a program is loaded onto its local devices.
         self.cache = None if config.cache_dir is None else ExecutableCache(
@@ -157,16 +155,22 @@ class Runner:
     def _dispatch(self, batch: StepBatch, logprobs: bool) -> InFlight:
         tokens, rows = (n // self.replicas for n in batch.shape)  # a replica's buckets
         self._write_sampling(batch.sampling_slots, batch.sampling)
-        updates = self._table_updates(batch.table_updates)
-        forward_inputs, sample_inputs = self.step_inputs(batch)
+        packed, allowed = self.step_inputs(batch, self._table_updates(batch.table_updates))
         if batch.decode_steps > 1:
-            return self._dispatch_decode(batch, rows, updates, forward_inputs, sample_inputs)
+            key = ("decode", rows, batch.sampling_mode)
+            self.kv_pool, self.block_tables, self.slot_tokens, drawn = self.programs.get(key)(
+                self.state_for(("forward", tokens)), self.kv_pool, self.slot_tokens, self.slot_sampling,
+                self.block_tables, packed)
+            self.tokens_run += batch.num_tokens
+            self.tokens_computed += batch.shape[0] * self.config.decode_steps
+            drawn.copy_to_host_async()
+            return InFlight((drawn,), False)
         key = ("forward", tokens)
-        self.kv_pool, self.block_tables, hidden = self.programs.get(key)(
-            self.state_for(key), self.kv_pool, self.slot_tokens, self.block_tables, updates, *forward_inputs)
+        self.kv_pool, self.block_tables, hidden, positions, slots = self.programs.get(key)(
+            self.state_for(key), self.kv_pool, self.slot_tokens, self.block_tables, packed)
         key = ("sample", rows, batch.sampling_mode)
         self.slot_tokens, next_tokens, logits = self.programs.get(key)(
-            self.state_for(key), self.slot_tokens, self.slot_sampling, hidden, *sample_inputs)
+            self.state_for(key), self.slot_tokens, self.slot_sampling, hidden, positions, slots, allowed)
         out = (next_tokens,)
         if logprobs:
             out += tuple(self.programs.get(("logprobs", rows))(logits, next_tokens))
@@ -176,32 +180,15 @@ class Runner:
             x.copy_to_host_async()
         return InFlight(out, logprobs)
 
-    def _dispatch_decode(self, batch: StepBatch, rows: int, updates, forward_inputs, sample_inputs) -> InFlight:
-        """Several decode steps in one program (see `_decode`)."""
-        key = ("decode", rows, batch.sampling_mode)
-        steps = (batch.token_steps, batch.seq_steps, batch.row_steps)
-        if self.mesh is not None:
-            steps = self._place(steps)
-        self.kv_pool, self.block_tables, self.slot_tokens, tokens = self.programs.get(key)(
-            self.state_for(("forward", batch.shape[0] // self.replicas)), self.kv_pool, self.slot_tokens,
-            self.slot_sampling, self.block_tables, updates, *forward_inputs, *sample_inputs[:2], *steps)
-        self.tokens_run += batch.num_tokens
-        self.tokens_computed += batch.shape[0] * self.config.decode_steps
-        tokens.copy_to_host_async()
-        return InFlight((tokens,), False)
-
-    def _table_updates(self, updates: np.ndarray):
-        """The block-table entries that go with the forward program ([TABLE_UPDATES, 4]); any
-        before them are written first. A host array is passed as is: a device_put while a step
-        runs costs the host more than the program's own transfer."""
-        if len(updates) == 0:
-            return self._no_table_updates
-        write_tables = self.programs.get(("tables", TABLE_UPDATES))
-        last = (len(updates) - 1) // TABLE_UPDATES * TABLE_UPDATES
+    def _table_updates(self, updates: np.ndarray) -> np.ndarray:
+        """The last [TABLE_UPDATES, 4] block-table entries, which go with the step's inputs; any
+        before them are written first, by a program of their own (admissions of long prompts)."""
+        last = max(0, (len(updates) - 1) // TABLE_UPDATES * TABLE_UPDATES)
         for start in range(0, last, TABLE_UPDATES):
-            self.block_tables = write_tables(self.block_tables, self._host_or_replicated(
-                pad_updates(updates, start, TABLE_UPDATES, self.config.max_slots)))
-        return self._host_or_replicated(pad_updates(updates, last, TABLE_UPDATES, self.config.max_slots))
+            chunk = pad_updates(updates, start, TABLE_UPDATES, self.config.max_slots)
+            self.block_tables = self.programs.get(("tables", TABLE_UPDATES))(
+                self.block_tables, chunk if self.mesh is None else self._replicated(chunk))
+        return pad_updates(updates, last, TABLE_UPDATES, self.config.max_slots)
 
     def _write_sampling(self, slots: np.ndarray, params: SamplingBatch) -> None:
         """Writes the sampling parameters of the slots that changed (admitted or freed)."""
@@ -226,18 +213,23 @@ class Runner:
         out = jax.device_get(step.outputs) if self.mirror is None else self.mirror.run(jax.device_get, step.outputs)
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
-    def step_inputs(self, batch: StepBatch) -> tuple[tuple, tuple]:
-        """The batch's arrays the forward program takes (after the weights, pool, slot tokens,
-        block tables and table updates), and those the sample program takes (after the weights,
-        slot tokens, slot sampling parameters and hidden states)."""
-        forward = (batch.tokens, batch.token_slots, batch.meta, batch.seq_slots, batch.token_seq_slots,
-                   batch.logits_indices)
-        sample = (batch.sample_positions, batch.sample_slots)
+    def layout(self, tokens: int, decode_steps: bool = False) -> StepLayout:
+        """Where the inputs of a step of `tokens` tokens (a replica's bucket) sit in its one array."""
+        return StepLayout(tokens, self.buckets.seqs(tokens), self.buckets.max_rows, TABLE_UPDATES, decode_steps)
+
+    def step_inputs(self, batch: StepBatch, table_updates: np.ndarray) -> tuple:
+        """(packed, allowed): the batch's inputs and the table updates [TABLE_UPDATES, 4] in one
+        int32 array [replicas, width] (`StepLayout`: the step's one host-to-device copy, passed to
+        the program as a host array, which costs the host less than a device_put while a step
+        runs), and the token masks of its sampling rows (a mask kept on the device when no row
+        is constrained)."""
+        layout = self.layout(batch.shape[0] // self.replicas, batch.decode_steps > 1)
+        packed = layout.pack(batch, table_updates, self.replicas, self.config.max_slots)
         if self.mesh is not None:
-            forward, sample = self._place((forward, sample))
+            packed = self._place(packed)
         allowed = self._all_allowed(len(batch.sample_slots)) if batch.allowed is None else \
             self._place_rows(batch.allowed)
-        return forward, (*sample, allowed)
+        return packed, allowed
 
     def state_for(self, key: tuple):
         """The weights the program `key` runs on: the model's, or their copy in the dtype
@@ -258,61 +250,77 @@ class Runner:
 
     # ---- the three programs of a step ----
 
-    def _forward(self, state, kv_pool, slot_tokens, block_tables, table_updates, tokens, token_slots,
-                 meta: StepMetadata, seq_slots, token_seq_slots, logits_indices):
-        """The table updates [U, 4] into the block tables, then K/V of every token into the pool;
-        returns the pool, the tables and the final hidden states [W, D] of each sequence's last
-        token (rows logits_indices [W], a replica's slice after another's)."""
+    def _inputs(self, layout: StepLayout, packed, block_tables):
+        """The step's inputs from its one array, with its table updates written into the block
+        tables: (block tables, inputs by name, metadata with each sequence's tables and pool slots)."""
+        x = layout.unpack(packed)
+        block_tables = write_table_entries(block_tables, x["table_updates"])
+        meta = StepMetadata(positions=x["positions"], slot_mapping=None, kv_lens=x["kv_lens"], block_tables=None,
+                            query_start=x["query_start"], num_seqs=x["num_seqs"])
+        return block_tables, x, meta
+
+    def _forward(self, layout: StepLayout, state, kv_pool, slot_tokens, block_tables, packed):
+        """The table updates into the block tables, then K/V of every token into the pool; returns
+        the pool, the tables, the final hidden states [W, D] of each sequence's last token (rows
+        logits_indices [W], a replica's slice after another's), and the sampling rows' positions
+        and slots [W] (each replica's), which the sample program takes with the hidden states."""
         model = nnx.merge(self.graphdef, state)
-        block_tables = write_table_entries(block_tables, table_updates)
-        meta = table_metadata(meta, block_tables, seq_slots, token_seq_slots, self.config.page_size)
-        tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], tokens)
-        hidden, kv_pool = model.hidden_states(tokens, kv_pool, meta, attend=self.attend, rows=logits_indices)
-        return kv_pool, block_tables, hidden
+        block_tables, x, meta = self._inputs(layout, packed, block_tables)
+        meta = table_metadata(meta, block_tables, x["seq_slots"], x["token_seq_slots"], self.config.page_size)
+        token_slots = x["token_slots"]
+        tokens = jnp.where(token_slots >= 0, slot_tokens[jnp.maximum(token_slots, 0)], x["tokens"])
+        hidden, kv_pool = model.hidden_states(tokens, kv_pool, meta, attend=self.attend, rows=x["logits_indices"])
+        return kv_pool, block_tables, hidden, x["sample_positions"], x["sample_slots"]
+
+    def _first_rows(self, x, rows: int):
+        """Each replica's first `rows` of x [replicas * W, ...]."""
+        return x.reshape(self.replicas, -1, *x.shape[1:])[:, :rows].reshape(-1, *x.shape[1:])
 
     def _sample(self, mode: str, state, slot_tokens, slot_sampling: SamplingBatch, hidden, positions, sample_slots,
                 allowed):
-        """The logits [R, V] of each replica's first R rows of hidden, and one token per row [R],
-        drawn with its slot's sampling parameters among the tokens allowed [R, M] permits (padding
-        rows read the greedy row past the slots); each sampling row's token also kept in its slot
-        for the next step. The logits returned (for logprobs) are the model's, unmasked."""
-        rows = sample_slots.shape[0] // self.replicas
-        hidden = hidden.reshape(self.replicas, -1, hidden.shape[-1])[:, :rows].reshape(-1, hidden.shape[-1])
+        """The logits [R, V] of each replica's first R rows of hidden (R from allowed [R, M]), and
+        one token per row [R], drawn with its slot's sampling parameters among the tokens allowed
+        permits (padding rows read the greedy row past the slots); each sampling row's token also
+        kept in its slot for the next step. The logits returned (for logprobs) are the model's,
+        unmasked."""
+        rows = allowed.shape[0] // self.replicas
+        hidden, positions, sample_slots = (self._first_rows(x, rows) for x in (hidden, positions, sample_slots))
         logits = nnx.merge(self.graphdef, state).logits(hidden)
         params = slot_sampling.at(jnp.minimum(sample_slots, self.config.max_slots))
         next_tokens = sample(logits, params, positions=positions, allowed=allowed, mode=mode)
         return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens, logits
 
-    def _decode(self, mode: str, state, kv_pool, slot_tokens, slot_sampling: SamplingBatch, block_tables,
-                table_updates, tokens, token_slots, meta: StepMetadata, seq_slots, token_seq_slots, logits_indices,
-                sample_positions, sample_slots, token_steps, seq_steps, row_steps):
+    def _decode(self, layout: StepLayout, rows: int, mode: str, state, kv_pool, slot_tokens,
+                slot_sampling: SamplingBatch, block_tables, packed):
         """`config.decode_steps` decode steps of a batch where every sequence runs one token, in one
-        loop on the device: each step reads the tokens the step before sampled (slot tokens),
-        writes their K/V and samples the next at the next position. A row stops after its
-        row_steps [R] steps or on a token of its stop ids (EOS, stop token ids); from then on it
-        writes only the null page and keeps its slot token. Returns the pool, the tables, the slot
-        tokens and the tokens [K, R] each step sampled (a stopped row's: ignored by the host)."""
+        program: each step reads the tokens the step before sampled (slot tokens), writes their
+        K/V and samples the next at the next position. A row stops after its row_steps steps or on
+        a token of its stop ids (EOS, stop token ids); from then on it writes only the null page
+        and keeps its slot token. Returns the pool, the tables, the slot tokens and the tokens
+        [K, R] each step sampled (a stopped row's: ignored by the host)."""
         model = nnx.merge(self.graphdef, state)
-        block_tables = write_table_entries(block_tables, table_updates)
-        num_slots, width = self.config.max_slots, logits_indices.shape[0] // self.replicas
-        rows = sample_slots.shape[0] // self.replicas
+        block_tables, x, meta = self._inputs(layout, packed, block_tables)
+        num_slots = self.config.max_slots
+        token_steps, seq_steps, token_seq_slots = x["token_steps"], x["seq_steps"], x["token_seq_slots"]
+        sample_positions, sample_slots, row_steps = (self._first_rows(x[name], rows)
+                                                     for name in ("sample_positions", "sample_slots", "row_steps"))
         params = slot_sampling.at(jnp.minimum(sample_slots, num_slots))
 
         def one_step(j, carry):
             kv_pool, slot_tokens, done, out = carry
             done_slots = jnp.zeros(num_slots + 1, bool).at[jnp.minimum(sample_slots, num_slots)].set(done)
             token_live = (j < token_steps) & ~done_slots[jnp.maximum(token_seq_slots, 0)]
-            at = lambda x, steps: x + jnp.minimum(j, jnp.maximum(steps - 1, 0))  # noqa: E731 (a stopped row stays)
+            at = lambda v, steps: v + jnp.minimum(j, jnp.maximum(steps - 1, 0))  # noqa: E731 (a stopped row stays)
             step_meta = dataclasses.replace(meta, positions=at(meta.positions, token_steps),
                                             kv_lens=jnp.where(meta.kv_lens > 0, at(meta.kv_lens, seq_steps), 0))
-            step_meta = table_metadata(step_meta, block_tables, seq_slots, jnp.where(token_live, token_seq_slots, -1),
-                                       self.config.page_size)
-            source = jnp.where(j == 0, token_slots, token_seq_slots)
-            step_tokens = jnp.where(source >= 0, slot_tokens[jnp.maximum(source, 0)], tokens)
+            step_meta = table_metadata(step_meta, block_tables, x["seq_slots"],
+                                       jnp.where(token_live, token_seq_slots, -1), self.config.page_size)
+            source = jnp.where(j == 0, x["token_slots"], token_seq_slots)
+            step_tokens = jnp.where(source >= 0, slot_tokens[jnp.maximum(source, 0)], x["tokens"])
             hidden, kv_pool = model.hidden_states(step_tokens, kv_pool, step_meta, attend=self.attend,
-                                                  rows=logits_indices)
-            hidden = hidden.reshape(self.replicas, width, -1)[:, :rows].reshape(-1, hidden.shape[-1])
-            drawn = sample(model.logits(hidden), params, positions=sample_positions + j, mode=mode)
+                                                  rows=x["logits_indices"])
+            drawn = sample(model.logits(self._first_rows(hidden, rows)), params, positions=sample_positions + j,
+                           mode=mode)
             live = (j < row_steps) & ~done
             slot_tokens = slot_tokens.at[jnp.where(live, sample_slots, num_slots)].set(drawn, mode="drop")
             stopped = jnp.any(drawn[:, None] == params.stop_ids, axis=1) | (j + 1 >= row_steps)
@@ -376,32 +384,34 @@ class Runner:
         if kind == "decode":  # a decode step's tokens: one per row
             tokens = self.buckets.shape(size, size)[0]
         batch = padding_batch(tokens, rows, self.buckets, self.config.max_slots, self.replicas)
-        forward_inputs, sample_inputs = self.step_inputs(batch)
-        state = self.state_for(key)
+        batch.decode_steps = self.config.decode_steps if kind == "decode" else 1
+        layout = self.layout(tokens, kind == "decode")
+        packed, allowed = self.step_inputs(batch, pad_updates(batch.table_updates, 0, TABLE_UPDATES,
+                                                              self.config.max_slots))
+        state = self.state_for(("forward", tokens) if kind == "decode" else key)
         rows, width = self.replicas * size, self.replicas * self.buckets.max_rows
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                       sharding=self._rows_sharding((rows, self.model_config.vocab_size)))
         hidden = jax.ShapeDtypeStruct((width, self.model_config.hidden_size), jnp.float32,
                                       sharding=self._rows_sharding((width, self.model_config.hidden_size)))
+        row_inputs = jax.ShapeDtypeStruct((width,), jnp.int32, sharding=self._rows_sharding((width,)))
         if kind == "tables":
             fn, donate = write_table_entries, (0,)
-            args = (self.block_tables, self._no_table_updates)
+            args = (self.block_tables, self._replicated(pad_updates(np.zeros((0, 4), np.int32), 0, TABLE_UPDATES,
+                                                                    self.config.max_slots)))
         elif kind == "sampling":
             fn, donate = _write_slot_sampling, (0,)
             args = (self.slot_sampling, self._replicated(np.zeros(size, np.int32)),
                     jax.tree.map(self._replicated, SamplingBatch.greedy(size)))
         elif kind == "forward":
-            fn, donate = self._forward, (1, 3)
-            args = (state, self.kv_pool, self.slot_tokens, self.block_tables, self._no_table_updates, *forward_inputs)
+            fn, donate = functools.partial(self._forward, layout), (1, 3)
+            args = (state, self.kv_pool, self.slot_tokens, self.block_tables, packed)
         elif kind == "sample":
             fn, donate = functools.partial(self._sample, key[2]), (1,)
-            args = (state, self.slot_tokens, self.slot_sampling, hidden, *sample_inputs)
+            args = (state, self.slot_tokens, self.slot_sampling, hidden, row_inputs, row_inputs, allowed)
         elif kind == "decode":
-            fn, donate = functools.partial(self._decode, key[2]), (1, 2, 4)
-            steps = (batch.token_steps, batch.seq_steps, batch.row_steps)
-            steps = steps if self.mesh is None else self._place(steps)
-            args = (self.state_for(("forward", tokens)), self.kv_pool, self.slot_tokens, self.slot_sampling,
-                    self.block_tables, self._no_table_updates, *forward_inputs, *sample_inputs[:2], *steps)
+            fn, donate = functools.partial(self._decode, layout, size, key[2]), (1, 2, 4)
+            args = (state, self.kv_pool, self.slot_tokens, self.slot_sampling, self.block_tables, packed)
         else:
             fn, donate = self._logprobs, ()
             args = (logits, jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._rows_sharding((rows,))))
@@ -416,7 +426,7 @@ class Runner:
             out = replicated
         elif kind == "forward":
             shardings = (self.param_shardings, kv, *shardings[2:])
-            out = (kv, replicated, hidden.sharding)
+            out = (kv, replicated, hidden.sharding, row_inputs.sharding, row_inputs.sharding)
         elif kind == "sample":
             shardings = (self.param_shardings, *shardings[1:])
             out = (replicated, replicated, logits.sharding)
