@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
+from jaxserve.engine.batching.request import PENDING
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.model.config import ModelConfig
 from jaxserve.worker.runner import Runner
@@ -155,7 +156,10 @@ class EngineCore:
             computed = request.num_computed_tokens
             slots.append(request.slot)
             starts.append(computed)
-            token_ids += request.token_ids(computed, computed + (1 if multi else n))
+            if (n == 1 or multi) and request.num_pending_tokens:  # its token is on the device (most rows)
+                token_ids.append(PENDING)
+            else:
+                token_ids += request.token_ids(computed, computed + (1 if multi else n))
         counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(slots))
         seqs = StepSeqs(np.array(slots, np.int64), np.array(starts, np.int32),
                         np.ones_like(counts) if multi else counts, np.array(token_ids, np.int32),

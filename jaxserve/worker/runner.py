@@ -210,7 +210,7 @@ class Runner:
 
     def collect(self, step: InFlight) -> StepOutput:
         """Waits for a dispatched step's sampled tokens (the one device-to-host transfer of a step)."""
-        out = jax.device_get(step.outputs) if self.mirror is None else self.mirror.run(jax.device_get, step.outputs)
+        out = _to_host(step.outputs) if self.mirror is None else self.mirror.run(_to_host, step.outputs)
         return StepOutput(tokens=out[0], logprobs=out[1:] if step.logprobs else None)
 
     def layout(self, tokens: int, decode_steps: bool = False) -> StepLayout:
@@ -455,6 +455,10 @@ class Runner:
     def _place(self, inputs):
         """Host step inputs onto the mesh, split by replica."""
         return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
+
+
+def _to_host(arrays: tuple) -> list[np.ndarray]:
+    return [np.asarray(x) for x in arrays]
 
 
 def unrolls_loops() -> bool:
