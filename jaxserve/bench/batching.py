@@ -26,17 +26,21 @@ sequences grow).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
 from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.bench import trace_busy
 from jaxserve.bench.step_profile import StepProfile
 from jaxserve.bench.timeline import TimelineRecorder, plot_timelines
 from jaxserve.host_memory import keep_freed_memory
@@ -100,6 +104,9 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
     usage = _KVUsage(eng)
     bar = tqdm(total=len(work.prompts), desc=f"{strategy:>10}", leave=False, file=sys.stderr, disable=None)
     profile = StepProfile(eng).__enter__()  # host time per step and device idle share
+    trace_dir = args.trace and os.path.join(args.trace, re.sub(r"\W+", "-", _label(eng, caching, overlap)))
+    tracing = jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext()
+    tracing.__enter__()
     start = time.monotonic()
     numbers: dict[str, int] = {}  # request id -> workload index, for the timeline's colours
     recorder = TimelineRecorder(_label(eng, caching, overlap), eng, start, numbers) if timelines is not None else None
@@ -145,11 +152,16 @@ def run_strategy(engine: Engine, strategy: str, work: Workload, args, caching: b
             time.sleep(0.0005)
     bar.close()
     profile.__exit__(None, None, None)
+    tracing.__exit__(None, None, None)
     if recorder:
         timelines.append(recorder.timeline)
     requests = [eng.request(ids[i]) for i in sorted(ids)]
     itl = [b - a for i in order for a, b in zip(token_times[ids[i]], token_times[ids[i]][1:])]
-    return _figures(eng, _label(eng, caching, overlap), requests, itl, start, stats0, usage, profile)
+    row = _figures(eng, _label(eng, caching, overlap), requests, itl, start, stats0, usage, profile)
+    busy = trace_busy.device_busy(trace_busy.load(trace_dir)) if trace_dir else []
+    if busy:  # the first device's (a CPU's trace has none: XLA works on the host's threads)
+        row["device_busy_traced"] = busy[0]["busy_share"]
+    return row
 
 
 class _KVUsage:
@@ -287,6 +299,7 @@ COLUMNS = [("strategy", "strategy", "{}"), ("req/s", "requests_per_s", "{:.2f}")
            ("KV B/token", "kv_bytes_per_token", "{:.0f}"), ("pad", "padding", "{:.3f}"),
            ("hits", "prefix_hit_rate", "{:.1%}"),
            ("host ms/step", "host_ms_per_step", "{:.1f}"), ("device idle", "device_idle_share", "{:.1%}"),
+           ("busy (trace)", "device_busy_traced", "{:.1%}"),
            ("preempt", "preemptions", "{}"), ("compiles", "compiles_during_run", "{}")]
 
 
@@ -358,6 +371,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also run every strategy with each step's tokens collected before the next is scheduled")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of each run in DIR, and the "
+                   "device's busy share read from it")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--timeline", default=None, metavar="PNG", help="slot timelines of every run, one panel each")

@@ -127,6 +127,7 @@ class Runner:
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
+        self._batch_shardings: dict[tuple, object] = {}  # per input shape, under a mesh (see `_place`)
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
         # Each process of a multi-host group keeps its own entries: a program is loaded onto its local devices.
         self.cache = None if config.cache_dir is None else ExecutableCache(
@@ -453,8 +454,15 @@ class Runner:
             jax.config.jax_default_matmul_precision)))
 
     def _place(self, inputs):
-        """Host step inputs onto the mesh, split by replica."""
-        return jax.tree.map(lambda x: sharding.place(x, sharding.batch_sharding(self.mesh, np.shape(x))), inputs)
+        """Host step inputs onto the mesh, split by replica (one sharding per shape, built once:
+        a new one per call would miss jax's C++ dispatch path)."""
+        return jax.tree.map(lambda x: sharding.place(x, self._batch_sharding(np.shape(x))), inputs)
+
+    def _batch_sharding(self, shape: tuple[int, ...]):
+        found = self._batch_shardings.get(shape)
+        if found is None:
+            found = self._batch_shardings[shape] = sharding.batch_sharding(self.mesh, shape)
+        return found
 
 
 def _to_host(arrays: tuple) -> list[np.ndarray]:
