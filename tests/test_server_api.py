@@ -125,14 +125,53 @@ def test_honoured_vllm_fields(server):
 def test_chat_names_its_template(server, tmp_path, client):
     r = post(server, CHAT, {"messages": MESSAGES, "max_tokens": 2})
     assert r.headers["x-chat-template"] == "model"
-    own = post(server, CHAT, {"messages": MESSAGES, "max_tokens": 2,
-                              "chat_template": "{{ messages[0]['content'] }} =>"})
-    assert own.headers["x-chat-template"] == "request" and own.json()["usage"]["prompt_tokens"] == 7
+    own = {"messages": MESSAGES, "max_tokens": 2, "chat_template": "{{ messages[0]['content'] }} =>"}
+    refused = post(server, CHAT, own)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    with ServerThread(create_app(client, trust_request_chat_template=True)) as trusting:
+        r = post(trusting, CHAT, own)
+        assert r.headers["x-chat-template"] == "request" and r.json()["usage"]["prompt_tokens"] == 7
     path = tmp_path / "turns.jinja"
     path.write_text("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}")
     with ServerThread(create_app(client, chat_template=str(path))) as other:
         r = post(other, CHAT, {"messages": MESSAGES, "max_tokens": 2, "stream": True})
         assert r.headers["x-chat-template"] == "file:turns.jinja" and r.text.endswith("data: [DONE]\n\n")
+
+
+def test_a_slow_request_template_fails_its_request_and_stalls_nothing(client, monkeypatch):
+    """A trusted request template that renders for seconds: /health answers meanwhile, and the
+    request fails with a 400 once past the time limit (here 0.5 s)."""
+    import threading
+    import time
+    from jaxserve.entrypoints import offload
+    monkeypatch.setattr(offload, "TIME_LIMIT_S", 0.5)
+    slow = "{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+    with ServerThread(create_app(client, trust_request_chat_template=True)) as trusting:
+        got = {}
+        sender = threading.Thread(target=lambda: got.update(r=post(trusting, CHAT, {
+            "messages": MESSAGES, "max_tokens": 2, "chat_template": slow})))
+        sender.start()
+        time.sleep(0.1)
+        health = []
+        while sender.is_alive():
+            t = time.perf_counter()
+            assert httpx.get(f"{trusting.url}/health").status_code == 200
+            health.append(time.perf_counter() - t)
+        assert len(health) >= 3 and max(health) < 0.1, health  # the loop answered while the template rendered
+        assert got["r"].status_code == 400 and "took over 0.5 s" in got["r"].json()["error"]["message"]
+        assert got["r"].json()["error"]["param"] == "chat_template"
+
+
+def test_the_api_key_comes_from_the_environment(monkeypatch):
+    from jaxserve.entrypoints.cli import build_parser, serve_api_key
+    for env, flag, expected in [({"JAXSERVE_API_KEY": "a"}, [], "a"), ({"VLLM_API_KEY": "b"}, [], "b"),
+                                ({"JAXSERVE_API_KEY": "a"}, ["--api-key", "c"], "c"), ({}, [], None)]:
+        for name in ("JAXSERVE_API_KEY", "VLLM_API_KEY"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert serve_api_key(build_parser().parse_args(["serve", *flag])) == expected, (env, flag)
 
 
 def test_a_model_without_a_template_chats_with_a_builtin_one_and_warns(client, caplog):

@@ -28,6 +28,7 @@ class ServerOptions:
     api_key: str | None = None  # None: no Authorization header is asked for
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # past it: 413
     default_max_tokens: int | None = None  # a request's max_tokens when it sets none (within the context)
+    trust_request_chat_template: bool = False  # render a request's own chat_template (else 400)
 
     def __post_init__(self):
         d = self.default_max_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 import time
 
@@ -42,6 +43,11 @@ def generate(args: argparse.Namespace) -> None:
           f"{programs - loaded} compiled, {loaded} loaded from the compile cache]", file=sys.stderr)
 
 
+def serve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $JAXSERVE_API_KEY, else vLLM's $VLLM_API_KEY (None: no key asked for)."""
+    return args.api_key or os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
 def serve(args: argparse.Namespace) -> None:
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
@@ -50,6 +56,7 @@ def serve(args: argparse.Namespace) -> None:
                          "pip install 'jaxserve[server]'")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
+    args.api_key = serve_api_key(args)
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.engine_restarts < 0:
@@ -109,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv, max_waiting=256)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--api-key", default=None,
+                     help="the bearer key clients must send (default: $JAXSERVE_API_KEY, or vLLM's $VLLM_API_KEY; "
+                          "prefer those: a command line is visible to every user of the machine)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="render a request's own chat_template (refused with 400 otherwise: a template may "
+                          "loop for as long as it likes)")
     srv.add_argument("--warmup", type=on_off, default=True, metavar="on|off",
                      help="compile every step shape before accepting requests (default on; later starts "
                           "load them from the compile cache)")

@@ -286,7 +286,7 @@ def with_gpus(actor_options: dict, replicas: int, cluster_gpus: float, devices_p
 
 def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key: str | None = None,
           chat_template: str | None = None, default_max_tokens: int | None = None,
-          ray_actor_options: dict | None = None,
+          trust_request_chat_template: bool = False, ray_actor_options: dict | None = None,
           max_ongoing_requests: int = 1024, restarts: int = 3, router_kwargs: dict | None = None):
     """The Serve application: the ingress over `replicas` engine replicas with `router`."""
     if replicas < 1:
@@ -309,7 +309,8 @@ def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key
         ray_actor_options={**actor_options, "runtime_env": runtime_env},
         request_router_config=router_config,
         health_check_period_s=10, health_check_timeout_s=30,
-    ).bind(factory, {"api_key": api_key, "chat_template": chat_template, "default_max_tokens": default_max_tokens},
+    ).bind(factory, {"api_key": api_key, "chat_template": chat_template, "default_max_tokens": default_max_tokens,
+                     "trust_request_chat_template": trust_request_chat_template},
            restarts)
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0},
                                  max_ongoing_requests=max_ongoing_requests).bind(engine)
@@ -376,7 +377,7 @@ def run(args, factory: EngineFactory) -> None:
         start_serve(args.host, args.port)
         app = build(factory, args.replicas, router=args.router, api_key=args.api_key,
                     chat_template=args.chat_template, default_max_tokens=args.default_max_tokens,
-                    ray_actor_options=options, restarts=args.engine_restarts)
+                    trust_request_chat_template=args.trust_request_chat_template, ray_actor_options=options, restarts=args.engine_restarts)
         serve.run(app, name="jaxserve", route_prefix="/", blocking=False)
         log.info("%d replica(s) ready behind http://%s:%d (router: %s)", args.replicas, args.host, args.port,
                  args.router)

@@ -15,6 +15,7 @@ from jaxserve.entrypoints.app_state import ServedModel
 from jaxserve.entrypoints.chat_template import HEADER
 from jaxserve.entrypoints.choice import Choice
 from jaxserve.entrypoints.constraints import ToolCalls, constraint
+from jaxserve.entrypoints.offload import off_loop
 from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest
 from jaxserve.entrypoints.serving import Serving, sampling_params
 
@@ -27,9 +28,15 @@ async def create_chat_completion(http_request: Request, body: ChatCompletionRequ
     model.check_model(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if body.chat_template is not None and not state.options.trust_request_chat_template:
+        raise ApiError(400, "a request's own chat_template is refused: start the server with "
+                       "--trust-request-chat-template to allow it", param="chat_template")
     structured, tool_calls = constraint(body, chat=True)
-    text, source = _render(model, body, tool_calls)
-    prompt = model.truncate(model.encode(text, bool(body.add_special_tokens)), body.truncate_prompt_tokens)
+    text, source = await off_loop(_render, model, body, tool_calls, what="rendering the chat template",
+                                  param="chat_template" if body.chat_template is not None else "messages")
+    prompt = model.truncate(await off_loop(model.encode, text, bool(body.add_special_tokens),
+                                           what="tokenizing the chat", param="messages"),
+                            body.truncate_prompt_tokens)
     if not prompt:
         raise ApiError(400, "the rendered chat is empty", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from jaxserve.entrypoints.choice import Choice
 from jaxserve.entrypoints.constraints import constraint
+from jaxserve.entrypoints.offload import off_loop
 from jaxserve.entrypoints.protocol import ApiError, CompletionRequest
 from jaxserve.entrypoints.serving import Serving, sampling_params
 
@@ -28,17 +29,24 @@ async def create_completion(http_request: Request, body: CompletionRequest, arri
         raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     add_special = body.add_special_tokens is not False
-    prompts = [model.truncate(model.encode(p, add_special) if isinstance(p, str) else p, body.truncate_prompt_tokens)
-               for p in texts]
-    tokenizer = model.tokenizer
-    echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
-            for p in texts]
+    prompts, echo = await off_loop(_tokenize, model, texts, add_special, body, what="tokenizing the prompt",
+                                   param="prompt")
     max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = (min(default_max_tokens, model.room(max(map(len, prompts)))) if default_max_tokens
                       else OPENAI_MAX_TOKENS)
     params = sampling_params(body, max_tokens, body.logprobs, model.info.vocab_size, constraint(body, chat=False)[0])
     return await CompletionServing(http_request, body, prompts, params, echo, arrival).respond()
+
+
+def _tokenize(model, texts: list, add_special: bool, body: CompletionRequest) -> tuple[list, list[str]]:
+    """Each prompt's token ids (truncated as asked), and its text when it is echoed."""
+    prompts = [model.truncate(model.encode(p, add_special) if isinstance(p, str) else p, body.truncate_prompt_tokens)
+               for p in texts]
+    tokenizer = model.tokenizer
+    echo = [(p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "") if body.echo else ""
+            for p in texts]
+    return prompts, echo
 
 
 def _prompts(prompt) -> list:

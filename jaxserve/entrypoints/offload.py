@@ -1,0 +1,27 @@
+"""Request work that may take long on the CPU (rendering a chat template, tokenizing a prompt of
+megabytes, decoding for echo) runs off the event loop, so one request cannot stall every stream
+and `/health`: in a small thread pool, and within a time limit, past which that request fails
+with a 400 (its thread finishes on its own; a Jinja template cannot be stopped from outside).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+
+from jaxserve.entrypoints.protocol import ApiError
+
+WORKERS = 4
+TIME_LIMIT_S = 10.0  # a template that renders for longer fails its request
+
+_pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="jaxserve-request")
+
+
+async def off_loop(fn, *args, what: str = "the request's text", param: str | None = None):
+    """fn(*args) in the pool; an ApiError 400 naming `what` when it takes over TIME_LIMIT_S."""
+    future = asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args))
+    try:
+        return await asyncio.wait_for(future, TIME_LIMIT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(400, f"{what} took over {TIME_LIMIT_S:g} s to process", param=param) from None
