@@ -120,6 +120,24 @@ def test_eos_and_stop_token_ids_and_stop_strings(engine):
     assert_idle(engine)
 
 
+def test_a_request_whose_stop_string_pass_fails_ends_alone_with_error(engine, monkeypatch):
+    """Detokenizing one request's tokens for its stop strings raises: that request ends with
+    `error`, the one beside it gets the tokens it gets alone, and no page leaks."""
+    from jaxserve.engine.output_processor import OutputText
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=("never in this text",))
+    alone = engine.generate([[5, 6, 7]], params)[0].token_ids
+    real_add = OutputText.add
+
+    def add(self, token_ids):
+        if self.detok is not None and self.detok.ids[:3] == [9, 9, 9]:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer failed on this request")
+        return real_add(self, token_ids)
+    monkeypatch.setattr(OutputText, "add", add)
+    bad, good = engine.generate([[9, 9, 9], [5, 6, 7]], params)
+    assert bad.finish_reason == "error" and good.finish_reason == "length" and good.token_ids == alone
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ("", SamplingParams(), "prompt must not be empty"),
     ([], SamplingParams(), "not be empty"),
@@ -290,6 +308,32 @@ def test_a_step_that_consumed_the_kv_pool_leaves_no_stale_kv_behind(llama_dir, e
     assert [small.output(i).token_ids for i in (bystander, later)] == [o.token_ids for o in reference]
     assert [small.output(i).finish_reason for i in (bystander, later)] == ["length", "length"]
     for i in (failing, bystander, later):
+        small.release(i)
+    assert_idle(small)
+
+
+def test_a_step_that_failed_on_the_device_leaves_no_page_of_its_in_the_prefix_cache(llama_dir, engine, monkeypatch):
+    """The step fails where its tokens are collected, the pool untouched (a device error): the
+    prompt pages it filled were put in the prefix cache at dispatch, and their K/V may never have
+    been written, so they are forgotten; a later request with that prompt computes it again."""
+    own = Engine.from_pretrained(llama_dir, engine.config)
+    small = own.with_strategy("paged", max_num_batched_tokens=16)
+    prefix = list(range(3, 19))  # two full pages: the failing step's one chunk
+    failing = small.add_request(prefix + [100, 101], GREEDY)
+    real = small.runner.collect
+
+    def collect_fails_once(step):
+        monkeypatch.setattr(small.runner, "collect", real)
+        raise RuntimeError("the device reported an error for this step")
+    monkeypatch.setattr(small.runner, "collect", collect_fails_once)
+    assert [r.request_id for r in small.step()] == [failing]
+    assert not any(x.is_deleted() for x in small.runner.kv_pool)  # the pool survived
+    assert small.stats()["cached_pages"] == 0
+    later = small.add_request(prefix + [120, 121], GREEDY)
+    small.run_until(lambda: small.request(later).finished)
+    assert small.request(later).num_cached_tokens == 0
+    assert small.output(later).token_ids == engine.with_strategy("paged").generate([prefix + [120, 121]], GREEDY)[0].token_ids
+    for i in (failing, later):
         small.release(i)
     assert_idle(small)
 

@@ -22,7 +22,7 @@ from jaxserve.engine.batching import BlockManager
 from jaxserve.entrypoints.dashboard import FILES
 from jaxserve.entrypoints.engine_client import EngineClient
 from jaxserve.engine.state import CACHED, FREE, SHARED, engine_state
-from jaxserve.entrypoints.openapi import EngineState
+from jaxserve.entrypoints.openapi import EngineState, EngineStats
 from jaxserve.entrypoints.api_server import create_app
 from server_helpers import ServerThread, wait_idle
 
@@ -196,6 +196,7 @@ def test_state_over_http_follows_the_requests_running(server, client):
     r = httpx.get(server.url + "/v1/engine/state")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     EngineState.model_validate(r.json())
+    EngineStats.model_validate(r.json()["stats"], strict=True)  # every stat named, each of its documented type
     ids: dict[int, str] = {}  # completion ids, known from each stream's first chunk
 
     def stream(i):
@@ -218,11 +219,13 @@ def test_state_over_http_follows_the_requests_running(server, client):
         matched |= bool(slots) and all(rid.rsplit("-", 2)[0] in set(ids.values()) for rid in slots)
         http = httpx.get(server.url + "/v1/engine/state").json()
         over_http = max(over_http, http["num_running"])
-        if busy == 4 and queued == 2 and matched and over_http:
+        if busy == 4 and queued >= 2 and matched and over_http:
             break
     for t in threads:
         t.join(60)
-    assert (busy, queued, matched) == (4, 2, True) and over_http > 0
+    # 4 slots, 6 requests: 2 wait, or 3 in a snapshot taken after the last ones arrived and
+    # before the step that admits one of them
+    assert busy == 4 and queued in (2, 3) and matched and over_http > 0
     wait_idle(server)
     state = httpx.get(server.url + "/v1/engine/state").json()
     assert state["num_running"] == 0 and state["pages"]["used"] == 0

@@ -351,6 +351,14 @@ def test_health_and_metrics(server):
     assert 0 < handoff < ttft and queue < ttft
 
 
+def test_a_prompt_sampled_n_times_counts_its_tokens_once(server):
+    before = metrics(server)["jaxserve_prompt_tokens_total"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7, 8, 9], "n": 3, "max_tokens": 2},
+                   timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == 5 and len(r["choices"]) == 3
+    assert metrics(server)["jaxserve_prompt_tokens_total"] - before == 5
+
+
 class _BrokenEngine:
     """Dies on its first step, as a bug in the engine loop would."""
     model_name, max_model_len, tokenizer = "broken", 128, None

@@ -137,6 +137,19 @@ def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_neve
     assert cache.pruned == ["zzz"] and os.listdir(folder) == [os.path.basename(real)]
 
 
+def test_a_cache_folder_others_may_write_is_refused_before_anything_is_unpickled(tmp_path):
+    devices = jax.devices()[:1]
+    ExecutableCache(str(tmp_path / "not yet made"), "a configuration", devices)  # made 0700 at the first save
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    ExecutableCache(str(folder), "a configuration", devices)
+    for mode in (0o777, 0o775, 0o757):
+        os.chmod(folder, mode)
+        with pytest.raises(ValueError, match=f"may be written by other users .mode {mode:o}.*chmod go-w"):
+            ExecutableCache(str(folder), "a configuration", devices)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 def test_the_layer_scan_matches_the_unrolled_layers(checkpoints, kind):
     """The scanned step's logits against the same layers run one by one in Python (float32)."""

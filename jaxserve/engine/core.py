@@ -118,6 +118,8 @@ class EngineCore:
             self.num_errors += 1
             failed = [schedule] + ([self._in_flight[0]] if self._in_flight else [])
             self._in_flight = None
+            for s in failed:  # their K/V may never have been written, whether or not the pool survived
+                self.blocks.forget(s.cached_pages)
             for request in {r: None for s in failed for r in s.num_tokens}:
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.ERROR)

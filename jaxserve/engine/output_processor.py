@@ -11,8 +11,12 @@ the text with the same `OutputText`.
 
 from __future__ import annotations
 
+import logging
+
 from jaxserve.engine.batching.request import FinishReason, Request, RequestOutput
 from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, Tokenizer, decode_after, first_stop
+
+log = logging.getLogger(__name__)
 
 
 class OutputText:
@@ -85,7 +89,14 @@ class OutputProcessor:
             request = requests[request_id]
             if text.stopped or len(request.output_token_ids) == text.num_tokens:
                 continue
-            text.add(request.output_token_ids[text.num_tokens:])
+            try:
+                text.add(request.output_token_ids[text.num_tokens:])
+            except Exception:  # noqa: BLE001 — this request's text failed, not the engine: it ends with `error`
+                log.exception("request %s: detokenizing for its stop strings failed", request_id)
+                if not request.finished:
+                    finish(request, FinishReason.ERROR)
+                    finished.append(request)
+                continue
             if text.stopped:
                 if not request.finished:
                     finish(request, FinishReason.STOP)

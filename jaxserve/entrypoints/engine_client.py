@@ -164,10 +164,12 @@ class EngineClient:
     # ---- asyncio side ----
 
     async def submit(self, prompts: Sequence[list[int]], params: Sequence, prefix: str,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> tuple[list[str], asyncio.Queue]:
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     prompt_tokens: int | None = None) -> tuple[list[str], asyncio.Queue]:
         """Queues token-id prompts as one payload (all or none); returns their request ids and the
-        queue that receives their Deltas, a list per step. Raises ValueError (bad input),
-        QueueFullError or EngineDeadError."""
+        queue that receives their Deltas, a list per step. `prompt_tokens`: what the prompt-token
+        counter adds (a prompt sampled n times counts once, as in usage); default: every prompt's.
+        Raises ValueError (bad input), QueueFullError or EngineDeadError."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
@@ -186,7 +188,7 @@ class EngineClient:
             self.subscribers.forget(ids)
             kind, message = error
             raise (ValueError if kind == "invalid" else QueueFullError if kind == "busy" else RuntimeError)(message)
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts) if prompt_tokens is None else prompt_tokens)
         return ids, deltas
 
     def fail_all(self, why: str) -> None:

@@ -236,6 +236,34 @@ class StepSample(_Strict):
     cached_pages: int
 
 
+class GroupStats(_Strict):
+    window: int | None = Field(description="the group's sliding window; null for full attention")
+    used_pages: int
+    cached_pages: int
+
+
+class EngineStats(_Strict):
+    """Engine.stats(): counts since the engine started, and the pool now."""
+
+    running: int
+    waiting: int
+    free_pages: int = Field(description="unreferenced, holding nothing reusable")
+    cached_pages: int = Field(description="unreferenced, holding a prefix-cache page")
+    used_pages: int = Field(description="read by running requests")
+    total_pages: int
+    kv_groups: list[GroupStats] = Field(description="per KV-cache group, its window and used and cached pages")
+    prefix_cache_queries: int = Field(description="prompt tokens looked up")
+    prefix_cache_hits: int = Field(description="of those, found in the cache")
+    num_compiles: int
+    tokens_run: int = Field(description="real tokens through the model")
+    tokens_computed: int = Field(description="the same with bucket padding")
+    num_preemptions: int
+    num_errors: int
+    num_steps: int
+    structured_output_mask_seconds: float = Field(description="host time filling token masks")
+    structured_output_mask_steps: int = Field(description="steps that filled one")
+
+
 class EngineState(_Strict):
     """What the engine is doing now, taken between two steps (no device sync)."""
 
@@ -252,8 +280,7 @@ class EngineState(_Strict):
     waiting: list[WaitingRequest] = Field(description="the first 256 waiting requests, in queue order")
     pages: PagePool
     history: list[StepSample] = Field(description="the steps after `since` (at most 1024), else the last 64")
-    stats: dict[str, int | list[dict[str, int | None]]] = Field(
-        description="Engine.stats(); `kv_groups`: per KV-cache group, its window and used and cached pages")
+    stats: EngineStats
 
 
 ENGINE_STATE_QUERY = {"parameters": [{

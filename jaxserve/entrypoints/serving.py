@@ -78,8 +78,9 @@ class Serving:
         """Submits the prompts and answers: a stream when the body asks for one, else JSON."""
         try:
             prefix = f"{self.id}-{uuid.uuid4().hex[:8]}"  # of the engine's request ids
-            self.ids, self.queue = await self.client.submit(self.prompts, self.params, prefix, self.arrival,
-                                                            cache_salt=self.body.cache_salt)
+            self.ids, self.queue = await self.client.submit(
+                self.prompts, self.params, prefix, self.arrival, cache_salt=self.body.cache_salt,
+                prompt_tokens=sum(len(q) for q in self.prompts[:: self.body.n]))  # n choices: one prompt
         except ValueError as e:
             raise ApiError(400, str(e), param=param_of(str(e)))
         except QueueFullError as e:

@@ -7,7 +7,8 @@ XLA flags, the engine's own source) and the step's name. A file starts with the 
 payload: an entry that fails the check, or fails to load, is logged, removed and compiled again.
 
 Loading runs pickle, so the folder must be the user's own (like jax's persistent cache): entries
-are written with the process's umask into a folder made 0700.
+are written with the process's umask into a folder made 0700, and an existing folder that another
+user owns or may write to is refused before anything in it is read.
 
 Every new engine version, config or jax version starts a new fingerprint, and an old one is never
 read again: when the folder outgrows `max_bytes` (`$JAXSERVE_COMPILE_CACHE_MB`, 2 GiB by default),
@@ -56,6 +57,7 @@ class ExecutableCache:
     def __init__(self, folder: str, describe: str, devices, max_bytes: int | None = None):
         """`devices`: the devices the programs run on, in their order (a mesh's, flattened): a
         program is loaded onto exactly those (XLA aborts on a device count that differs)."""
+        check_private(folder)
         self.folder = folder
         self.devices = list(devices)
         devices = ",".join(f"{d.platform}:{d.id}" for d in self.devices)
@@ -105,6 +107,23 @@ class ExecutableCache:
             os.replace(tmp, self._path(name))
         except Exception as e:  # noqa: BLE001
             log.warning("could not save compiled step %s (%s: %s)", name, type(e).__name__, e)
+
+
+def check_private(folder: str) -> None:
+    """Raises ValueError when `folder` exists and is not the user's alone to write: whoever could
+    put a file there could run code in this process when it is unpickled."""
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.getuid():
+        why = f"is owned by another user (uid {st.st_uid})"
+    elif st.st_mode & 0o022:
+        why = f"may be written by other users (mode {st.st_mode & 0o777:o})"
+    else:
+        return
+    raise ValueError(f"the compile cache folder {folder} {why}, and its entries are unpickled: run "
+                     f"`chmod go-w {folder}` if it is yours, or point JAXSERVE_CACHE at a folder of your own")
 
 
 def prune(folder: str, max_bytes: int, keep: str) -> list[str]:

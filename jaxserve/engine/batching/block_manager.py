@@ -148,14 +148,29 @@ class BlockManager:
         """The page of `group` holding `content_hash`, if any (no side effects)."""
         return self._page_of.get((group, content_hash))
 
-    def cache(self, page: int, content_hash: bytes, group: int = 0) -> None:
-        """Records that a used page of `group` now holds the full page `content_hash`. A hash
-        already held by another page keeps that page; this one stays unhashed and is freed as usual."""
+    def cache(self, page: int, content_hash: bytes, group: int = 0) -> bool:
+        """Records that a used page of `group` now holds the full page `content_hash`; returns
+        whether it did. A hash already held by another page keeps that page; this one stays
+        unhashed and is freed as usual."""
         key = (group, content_hash)
         if not self.enable_caching or page in self._hash_of or key in self._page_of:
-            return
+            return False
         self._page_of[key] = page
         self._hash_of[page] = key
+        return True
+
+    def forget(self, pages: Iterable[int]) -> None:
+        """Forgets the content hashes of `pages` (their K/V may never have been written): a
+        cached one becomes free, a used one is freed, not cached, later."""
+        for p in pages:
+            key = self._hash_of.pop(p, None)
+            if key is None:
+                continue
+            del self._page_of[key]
+            if p in self._evictable:
+                del self._evictable[p]
+                self._cached_in[self._group[p]] -= 1
+                self._free.append(p)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every content hash, for when the pool's K/V are gone (a fresh pool after a

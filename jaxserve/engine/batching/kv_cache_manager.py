@@ -118,13 +118,11 @@ class KVCacheManager:
 
     # ---- the prefix cache ----
 
-    def cache_pages(self, request: Request, hashes: Sequence[bytes], start: int) -> None:
+    def cache_pages(self, request: Request, hashes: Sequence[bytes], start: int) -> list[int]:
         """Records the request's pages start.. len(hashes) in every group's prefix cache (a null
-        entry holds nothing to record)."""
-        for g, table in enumerate(request.pages):
-            for i in range(start, len(hashes)):
-                if table[i]:
-                    self.blocks.cache(table[i], hashes[i], g)
+        entry holds nothing to record); returns the pages recorded."""
+        return [table[i] for g, table in enumerate(request.pages) for i in range(start, len(hashes))
+                if table[i] and self.blocks.cache(table[i], hashes[i], g)]
 
     def cache_hits(self, hashes: Sequence[bytes]) -> tuple[int, list[list[int]]]:
         """(n, tables): the longest run of leading pages `hashes[:n]` that every group can serve,

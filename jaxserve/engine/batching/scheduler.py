@@ -73,6 +73,7 @@ class Schedule:
     sampling: set[Request] = dataclasses.field(default_factory=set)  # whose last uncomputed token runs
     num_decodes: int = 0  # the requests that run one token (the first ones of num_tokens)
     decode_steps: int = 1  # > 1: every request decodes, num_tokens[r] steps in one dispatch (`look_ahead`)
+    cached_pages: list[int] = dataclasses.field(default_factory=list)  # pages `advance` put in the prefix cache
 
     @property
     def empty(self) -> bool:
@@ -335,22 +336,23 @@ class Scheduler:
         hashes = page_hashes(request, (request.num_tokens - 1) // self.blocks.page_size, self.blocks.page_size)
         return *self.kv.cache_hits(hashes), hashes
 
-    def _cache_computed_pages(self, request: Request) -> None:
+    def _cache_computed_pages(self, request: Request) -> list[int]:
         """Records the request's pages that are now full of computed tokens known on the host in
-        the prefix cache."""
+        the prefix cache; returns them."""
         if not self.blocks.enable_caching or request.num_computed_tokens // self.blocks.page_size <= \
                 request.num_cached_pages:
-            return  # no page filled since (the common case)
+            return []  # no page filled since (the common case)
         known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
         full = known // self.blocks.page_size
         if full <= request.num_cached_pages:
-            return
+            return []
         hashes = page_hashes(request, full, self.blocks.page_size)
-        self.kv.cache_pages(request, hashes, request.num_cached_pages)
+        pages = self.kv.cache_pages(request, hashes, request.num_cached_pages)
         for h in hashes[request.num_cached_pages:]:
             if self._computing.get(h) is request:
                 del self._computing[h]
         request.num_cached_pages = full
+        return pages
 
     def _release(self, request: Request) -> None:
         self.kv.release(request)
@@ -407,7 +409,8 @@ class Scheduler:
                 request.stopping = (outputs >= request.params.max_tokens
                                     or request.num_prompt_tokens + outputs >= max_model_len)
             if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
-                self._cache_computed_pages(request)  # a page filled: a few requests a step
+                # a page filled (a few requests a step): cached now, forgotten if the step fails
+                schedule.cached_pages += self._cache_computed_pages(request)
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
