@@ -405,6 +405,62 @@ def test_dead_engine_loop_makes_health_503():
     asyncio.run(go())
 
 
+@pytest.fixture
+def own_client(checkpoints):
+    """An engine loop of its own, in a thread: these tests break its receiver."""
+    client = EngineClient.in_thread(Engine.from_pretrained(checkpoints("llama"), EngineConfig(
+        max_slots=4, page_size=8, num_pages=64, max_model_len=128)))
+    yield client
+    client.stop()
+
+
+def _post_and_health(app, body, steps):
+    """POSTs `body`; meanwhile `steps()` breaks something; returns (the response, /health after)."""
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as c:
+            r = await c.post("/v1/completions", json=body)
+            for _ in range(200):
+                health = await c.get("/health")
+                if health.status_code == 503 or not steps():
+                    break
+                await asyncio.sleep(0.01)
+            return r, health, await c.post("/v1/completions", json={**body, "max_tokens": 2})
+    return asyncio.run(go())
+
+
+def test_a_failure_delivering_outputs_ends_those_requests_and_the_server_goes_on(own_client, monkeypatch):
+    real, failures = own_client.subscribers.deliver, []
+
+    def deliver_fails_once(outputs):
+        if outputs and not failures:
+            failures.append(outputs)
+            raise RuntimeError("a bug in delivering outputs")
+        return real(outputs)
+    monkeypatch.setattr(own_client.subscribers, "deliver", deliver_fails_once)
+    r, health, after = _post_and_health(create_app(own_client), {"prompt": [5, 6, 7], "max_tokens": 8},
+                                        lambda: False)
+    assert failures and r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert "failed to deliver" in r.json()["error"]["message"]
+    assert health.status_code == 200 and after.status_code == 200  # the receiver goes on
+
+
+def test_a_receiver_that_dies_turns_health_503_and_ends_what_was_in_flight(own_client, monkeypatch):
+    from jaxserve.entrypoints import engine_client
+    real, calls = engine_client.pickle.loads, []
+
+    def loads(data):
+        calls.append(1)
+        if len(calls) == 3:  # a few messages in: the request is in flight
+            raise MemoryError("the receiver cannot go on")
+        return real(data)
+    monkeypatch.setattr(engine_client.pickle, "loads", loads)
+    r, health, after = _post_and_health(create_app(own_client), {"prompt": [5, 6, 7], "max_tokens": 60,
+                                                                 "ignore_eos": True}, lambda: True)
+    assert r.status_code == 503 and "stopped receiving" in r.json()["error"]["message"]
+    assert health.status_code == 503 and after.status_code == 503
+
+
 def test_usage_counts_prompt_tokens_served_from_the_prefix_cache(client, model, engine):
     """usage.prompt_tokens_details.cached_tokens: the full pages (8 tokens) of a prompt that an
     earlier prompt computed, in JSON bodies, in a stream's usage chunk and for chat."""

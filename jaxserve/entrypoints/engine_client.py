@@ -154,7 +154,11 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.info is not None and self.error is None and not self._closing and self.supervisor.alive()
+        """Whether requests are taken: the engine runs, and so does the thread that delivers its
+        outputs (without it every request would hang)."""
+        receiving = self._receiver is None or self._receiver.is_alive()
+        return (self.info is not None and self.error is None and not self._closing and self.supervisor.alive()
+                and receiving)
 
     @property
     def restarting(self) -> bool:
@@ -233,6 +237,13 @@ class EngineClient:
     # ---- receiver thread ----
 
     def _receive(self) -> None:
+        try:
+            self._receive_loop()
+        except Exception:  # noqa: BLE001 — nothing would deliver outputs any more: fail loudly, not hang
+            log.exception("the thread receiving the engine's outputs failed")
+            self._die("the server stopped receiving the engine's outputs")
+
+    def _receive_loop(self) -> None:
         while not self._closing:
             try:
                 ready = self._outputs.poll(500)
@@ -248,9 +259,15 @@ class EngineClient:
                             continue
                     return
                 continue
-            if message[0] == "batch":
-                self._on_batch(*message[1:])
-            elif message[0] == "dead":
+            try:
+                if message[0] == "batch":
+                    self._on_batch(*message[1:])
+                    continue
+            except Exception:  # noqa: BLE001 — this batch's outputs are lost: their requests end, the rest go on
+                log.exception("delivering the engine's outputs failed: the requests in flight end with error")
+                self.fail_all("the server failed to deliver the engine's output")
+                continue
+            if message[0] == "dead":
                 self._die(message[1])
                 if not self._restart():
                     return
