@@ -120,6 +120,34 @@ def test_eos_and_stop_token_ids_and_stop_strings(engine):
     assert_idle(engine)
 
 
+def test_a_request_whose_scheduling_raises_ends_alone_with_error(engine, monkeypatch):
+    """Faults injected in schedule(): one request's admission raises, another's page growth
+    raises mid-way. Each ends with `error`; the others get a fault-free run's tokens; no page leaks."""
+    from jaxserve.engine.batching.scheduler import Scheduler
+    work = prompts(6)
+    reference = [o.token_ids for o in engine.with_strategy("paged").generate(work, GREEDY)]
+    bad_admission, bad_growth = [9, 9, 9], [8, 8, 8, 8, 8, 8, 8, 8]  # the second grows past its page mid-way
+    real_admit, real_add = Scheduler._admit_one, Scheduler._add_pages
+
+    def admit_one(self, request, held_back):
+        if request.prompt_token_ids == bad_admission:
+            raise KeyError("a bug in admitting this request")
+        return real_admit(self, request, held_back)
+
+    def add_pages(self, request, total, preempted):
+        if request.prompt_token_ids == bad_growth:
+            raise RuntimeError("a bug in growing this request")
+        return real_add(self, request, total, preempted)
+    monkeypatch.setattr(Scheduler, "_admit_one", admit_one)
+    monkeypatch.setattr(Scheduler, "_add_pages", add_pages)
+    small = engine.with_strategy("paged")
+    out = small.generate(work[:3] + [bad_admission, bad_growth] + work[3:], GREEDY)
+    assert [o.finish_reason for o in out[3:5]] == ["error", "error"] and len(out[4].token_ids) < GREEDY.max_tokens
+    assert [o.token_ids for o in out[:3] + out[5:]] == reference
+    assert small.stats()["num_errors"] == 0  # no step failed: only those two requests
+    assert_idle(small)
+
+
 def test_a_request_whose_stop_string_pass_fails_ends_alone_with_error(engine, monkeypatch):
     """Detokenizing one request's tokens for its stop strings raises: that request ends with
     `error`, the one beside it gets the tokens it gets alone, and no page leaks."""

@@ -103,8 +103,10 @@ class EngineCore:
         """One iteration: schedules and dispatches the next step, then collects the step before it
         (or, without async scheduling, this one). Returns the requests that finished."""
         finished: list[Request] = []
-        schedule = self.scheduler.schedule()
+        schedule = None
         try:
+            schedule = self.scheduler.schedule()
+            finished += schedule.failed
             launched = self._launch(schedule) if not schedule.empty else None
             if self._in_flight is not None:
                 finished += self._collect(*self._in_flight)
@@ -116,7 +118,7 @@ class EngineCore:
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
             log.exception("engine step failed")
             self.num_errors += 1
-            failed = [schedule] + ([self._in_flight[0]] if self._in_flight else [])
+            failed = ([schedule] if schedule else []) + ([self._in_flight[0]] if self._in_flight else [])
             self._in_flight = None
             for s in failed:  # their K/V may never have been written, whether or not the pool survived
                 self.blocks.forget(s.cached_pages)
@@ -129,7 +131,7 @@ class EngineCore:
                 self.blocks.reset_prefix_cache()
             else:  # the block-table entries this step carried may not have reached the device: send all again
                 self.scheduler.table.write_all(self.scheduler.running)
-        self.idle = schedule.empty and self._in_flight is None
+        self.idle = (schedule is None or schedule.empty) and self._in_flight is None
         return finished
 
     def _launch(self, schedule):

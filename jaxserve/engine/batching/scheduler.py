@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
 import time
 from collections import deque
 from typing import Callable, Sequence
@@ -45,6 +46,8 @@ from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
 from jaxserve.engine.batching.page_hash import page_hashes
 from jaxserve.engine.batching.policies import Policy
 from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +77,7 @@ class Schedule:
     num_decodes: int = 0  # the requests that run one token (the first ones of num_tokens)
     decode_steps: int = 1  # > 1: every request decodes, num_tokens[r] steps in one dispatch (`look_ahead`)
     cached_pages: list[int] = dataclasses.field(default_factory=list)  # pages `advance` put in the prefix cache
+    failed: list[Request] = dataclasses.field(default_factory=list)  # ended with `error`: scheduling them raised
 
     @property
     def empty(self) -> bool:
@@ -178,6 +182,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
         self._computing: dict[bytes, Request] = {}  # full prompt pages being computed, by hash
+        self._failed: list[Request] = []  # this schedule's requests whose scheduling raised
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission ...
         self.prefix_cache_hits = 0  # ... and found
@@ -201,6 +206,9 @@ class Scheduler:
     # ---- one iteration ----
 
     def schedule(self) -> Schedule:
+        """The next step. A request whose own scheduling raises ends with `error` (in
+        `Schedule.failed`, logged), and the others are scheduled as if it had never been."""
+        self._failed = []
         if self.kv.has_windows:
             self._drop_out_of_window()
         decodes, chunks, preempted = self._grow_running()
@@ -208,7 +216,17 @@ class Scheduler:
         for request in admitted:
             left = request.num_uncomputed_tokens
             decodes.append(request) if left == 1 else chunks.append((request, left))
-        return self._fill_budget(decodes, chunks, admitted, preempted)
+        schedule = self._fill_budget(decodes, chunks, admitted, preempted)
+        schedule.failed = self._failed
+        return schedule
+
+    def _fail(self, request: Request) -> None:
+        """Ends with `error` a request whose scheduling raised, freeing what it holds."""
+        log.exception("scheduling request %s failed: it ends with error", request.request_id)
+        if request.status is RequestStatus.WAITING and request not in self.waiting:
+            self.waiting.append(request)  # taken out for admission: `finish` takes it out again
+        self.finish(request, FinishReason.ERROR)
+        self._failed.append(request)
 
     def _fill_budget(self, decodes: list[Request], chunks: list[tuple[Request, int]], admitted, preempted) -> Schedule:
         """One token for every decode (at most max_slots <= budget of them), then prompt chunks in
@@ -254,8 +272,12 @@ class Scheduler:
 
     def _drop_out_of_window(self) -> None:
         """Frees what sliding windows left behind."""
-        for request in self.running:
-            dropped = self.kv.drop_out_of_window(request)
+        for request in list(self.running):
+            try:
+                dropped = self.kv.drop_out_of_window(request)
+            except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
+                self._fail(request)
+                continue
             if dropped:
                 self.table.write_null(request.slot, dropped)
 
@@ -270,19 +292,12 @@ class Scheduler:
             if request.stopping:  # its last token is sampled: nothing to run
                 continue
             if total > request.num_table_tokens:  # a page to add (a few requests a step)
-                needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens, total)
-                while needed > 0 and not self.blocks.can_allocate(needed):
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is request:
-                        break
+                try:
+                    self._add_pages(request, total, preempted)
+                except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
+                    self._fail(request)
                 if request.status is not RequestStatus.RUNNING:
                     continue
-                if needed > 0:
-                    lengths = [len(t) for t in request.pages]
-                    self.kv.grow(request, total)
-                    self.table.write_pages(request.slot, request, lengths)
             left = total - request.num_computed_tokens
             if left == 1:
                 decodes.append(request)
@@ -290,42 +305,71 @@ class Scheduler:
                 chunks.append((request, left))
         return decodes, chunks, preempted
 
+    def _add_pages(self, request: Request, total: int, preempted: list[Request]) -> None:
+        """Gives a running request the pages its `total` tokens need, preempting the newest
+        (maybe itself) while the pool is short."""
+        needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens, total)
+        while needed > 0 and not self.blocks.can_allocate(needed):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return
+        if needed > 0:
+            lengths = [len(t) for t in request.pages]
+            self.kv.grow(request, total)
+            self.table.write_pages(request.slot, request, lengths)
+
     def _admit(self) -> list[Request]:
         admitted, held_back = [], []
         allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
         page_size = self.blocks.page_size
         while allowed > 0 and self.waiting and self._free_slots:
             request = self.waiting.popleft()
-            hit, tables, hashes = self._cache_hits(request)
-            if self.policy.waits_for_shared_prefix and hit < len(hashes) and hashes[hit] in self._computing:
-                held_back.append(request)  # its next page is being computed: take it from the cache later
+            try:
+                outcome = self._admit_one(request, held_back)
+            except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
+                self._fail(request)
                 continue
-            tokens = self.config.max_model_len if self.policy.reserve_full_context else request.num_tokens
-            needed = self.kv.pages_to_add([hit] * self.kv.num_groups, hit * page_size, tokens)
-            shared = [p for table in tables for p in table if p]
-            if not self.blocks.can_allocate(needed, keeping=shared):
-                self.waiting.appendleft(request)
+            if outcome is None:
                 break
-            request.status = RequestStatus.RUNNING
-            request.slot = heapq.heappop(self._free_slots)
-            if request.admit_time is None:
-                request.admit_time = self.clock()
-            self.running.append(request)
-            self.blocks.share(shared)
-            request.pages = tables
-            request.num_computed_tokens, request.num_cached_pages = hit * page_size, hit
-            self.kv.grow(request, tokens)
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = request.num_computed_tokens
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += request.num_computed_tokens
-            for h in hashes[hit:]:
-                self._computing.setdefault(h, request)
-            self.table.fill(request.slot, request)
-            admitted.append(request)
-            allowed -= 1
+            if outcome:
+                admitted.append(request)
+                allowed -= 1
         self.waiting.extendleft(reversed(held_back))
         return admitted
+
+    def _admit_one(self, request: Request, held_back: list[Request]) -> bool | None:
+        """Admits a request taken from the queue: True; False when it is held back for a prefix
+        being computed; None when the pool is short (it goes back to the queue's head)."""
+        page_size = self.blocks.page_size
+        hit, tables, hashes = self._cache_hits(request)
+        if self.policy.waits_for_shared_prefix and hit < len(hashes) and hashes[hit] in self._computing:
+            held_back.append(request)  # its next page is being computed: take it from the cache later
+            return False
+        tokens = self.config.max_model_len if self.policy.reserve_full_context else request.num_tokens
+        needed = self.kv.pages_to_add([hit] * self.kv.num_groups, hit * page_size, tokens)
+        shared = [p for table in tables for p in table if p]
+        if not self.blocks.can_allocate(needed, keeping=shared):
+            self.waiting.appendleft(request)
+            return None
+        request.status = RequestStatus.RUNNING
+        request.slot = heapq.heappop(self._free_slots)
+        if request.admit_time is None:
+            request.admit_time = self.clock()
+        self.running.append(request)
+        self.blocks.share(shared)
+        request.pages = tables
+        request.num_computed_tokens, request.num_cached_pages = hit * page_size, hit
+        self.kv.grow(request, tokens)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed_tokens
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += request.num_computed_tokens
+        for h in hashes[hit:]:
+            self._computing.setdefault(h, request)
+        self.table.fill(request.slot, request)
+        return True
 
     def _cache_hits(self, request: Request) -> tuple[int, list[list[int]], list[bytes]]:
         """The leading pages of the request's prompt found in the cache, each group's block table
