@@ -147,10 +147,21 @@ def test_no_compiles_after_warmup(llama_dir):
     assert engine.stats()["num_compiles"] == compiled
 
 
+def test_overlapped_steps_as_on_accelerators(llama_dir, single):
+    """Async scheduling (the accelerators' default): the next dispatch is scheduled while K steps
+    run, counting K pending tokens per request; tokens, stops and pages as with single steps."""
+    overlapped = Engine.from_pretrained(llama_dir, config(decode_steps=STEPS, async_scheduling=True))
+    work = prompts(12, seed=9)
+    mixed = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.7 * (i % 2), seed=i, ignore_eos=i % 3 > 0)
+             for i in range(12)]
+    assert outputs(overlapped, work, mixed) == outputs(single, work, mixed)
+    assert multi_steps_run(overlapped)
+
+
 def test_the_loop_form_of_accelerators_gives_the_same_tokens(llama_dir, single, monkeypatch):
     """Accelerators run the steps in a loop of known trip count (XLA:CPU unrolls them)."""
-    from jaxserve.worker import runner
-    monkeypatch.setattr(runner, "unrolls_loops", lambda: False)
+    from jaxserve.worker import step_programs
+    monkeypatch.setattr(step_programs, "unrolls_loops", lambda: False)
     looped = Engine.from_pretrained(llama_dir, config(decode_steps=STEPS))
     jitted, args = looped.runner.program(("decode", looped.runner.buckets.row_sizes[0], "greedy"))
     assert "stablehlo.while" in jitted.lower(*args).as_text()

@@ -1,7 +1,8 @@
 """The host side of one ragged step: the scheduled sequences flattened into the fixed-shape arrays
 the runner's compiled programs take, and the buckets that keep those shapes few.
 
-    Schedule {request: tokens} ─► ScheduledSeq per request ─► StepBatch
+    Schedule {request: tokens} ─► StepSeqs (columns) ─► build_step ─► StepBatch ─► StepLayout.pack
+                                                                         (one int32 array a step)
         tokens [T]          the tokens to run, sequence after sequence (decodes first)
         token_slots [T]     for a token still on the device (sampled by the step before): the slot
                             whose last sampled token it is; -1 for tokens given here
@@ -14,7 +15,8 @@ the runner's compiled programs take, and the buckets that keep those shapes few.
         table_updates [n, 4] (slot, group, index, page): the slot table's entries written since the
                             last step, applied on the device before it runs
         logits_indices [W]  each sequence's last token: the only rows that reach the output layer
-        sampling [R]        each sequence's sampling parameters
+        sampling_slots, sampling  the slots filled or freed since the last step, and their sampling
+                            parameters (the rest stay on the device, per slot)
         sample_positions [R] the position of the token each sequence samples (its sampling key)
         sample_slots [R]    the slot each sampling sequence's token is kept in on the device (for
                             the next step); out of range for the others
@@ -28,7 +30,9 @@ sampler, is padded to a row bucket of its own, and W is the largest row bucket: 
 samples is compiled once per row bucket, whatever the step's tokens. Padding tokens write to the
 null page and belong to no sequence; padding sequences have no tokens and length 0. Under a
 data-parallel mesh the sequences are dealt to replicas by slot (slot % replicas), and each
-replica's tokens and sequences fill an equal, separately padded slice of every array.
+replica's tokens and sequences fill an equal, separately padded slice of every array. With
+several decode steps per dispatch (`decode_steps`), the arrays are the first step's, and
+token_steps, seq_steps and row_steps say how many steps each sequence runs.
 """
 
 from __future__ import annotations
@@ -282,54 +286,3 @@ def padding_batch(tokens: int, rows: int, buckets: StepBuckets, max_slots: int, 
                      np.full(r * rows, max_slots, np.int32), zeros(0), zeros(r * seqs), zeros(r * tokens) - 1,
                      np.zeros((0, 4), np.int32), *_no_sampling_updates(), token_steps=zeros(r * tokens),
                      seq_steps=zeros(r * seqs), row_steps=zeros(r * rows))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepLayout:
-    """Where a step's inputs sit in the one int32 array [replicas, width] the host copies to the
-    device per step: each replica's row holds its slice of every input, one after another, and
-    the table updates (the same in every row). The sampling rows' inputs are padded to W, so the
-    forward program (one per token bucket) can hand them to the sample program (one per row
-    bucket) as it hands over the hidden states."""
-
-    tokens: int  # T per replica
-    seqs: int  # S per replica
-    rows: int  # W: the largest row bucket
-    updates: int  # block-table entries (each 4 ints)
-    decode_steps: bool = False  # with each token's, sequence's and row's steps (several decode steps)
-
-    def sections(self) -> list[tuple[str, int]]:
-        t, s, w = self.tokens, self.seqs, self.rows
-        out = [("tokens", t), ("token_slots", t), ("positions", t), ("token_seq_slots", t), ("kv_lens", s),
-               ("seq_slots", s), ("query_start", s + 1), ("num_seqs", 1), ("logits_indices", w),
-               ("sample_positions", w), ("sample_slots", w), ("table_updates", 4 * self.updates)]
-        return out + ([("token_steps", t), ("seq_steps", s), ("row_steps", w)] if self.decode_steps else [])
-
-    def pack(self, batch: StepBatch, table_updates: np.ndarray, replicas: int, num_slots: int) -> np.ndarray:
-        """[replicas, width] int32: the batch's inputs and table_updates [updates, 4]."""
-        meta = batch.meta
-        values = {"tokens": batch.tokens, "token_slots": batch.token_slots, "positions": meta.positions,
-                  "token_seq_slots": batch.token_seq_slots, "kv_lens": meta.kv_lens, "seq_slots": batch.seq_slots,
-                  "query_start": meta.query_start, "num_seqs": meta.num_seqs, "logits_indices": batch.logits_indices,
-                  "sample_positions": batch.sample_positions, "sample_slots": batch.sample_slots,
-                  "token_steps": batch.token_steps, "seq_steps": batch.seq_steps, "row_steps": batch.row_steps}
-        pads = {"sample_slots": num_slots}  # a padding row's token is dropped
-        parts = []
-        for name, size in self.sections():
-            if name == "table_updates":
-                parts.append(np.broadcast_to(table_updates.reshape(1, -1), (replicas, size)))
-                continue
-            part = np.asarray(values[name], np.int32).reshape(replicas, -1)
-            if part.shape[1] < size:  # a row bucket's inputs, padded to W
-                part = np.pad(part, ((0, 0), (0, size - part.shape[1])), constant_values=pads.get(name, 0))
-            parts.append(part)
-        return np.concatenate(parts, axis=1)
-
-    def unpack(self, packed) -> dict:
-        """The inputs of `pack`, each [replicas * size] (table_updates [updates, 4]), on the device."""
-        out, start = {}, 0
-        for name, size in self.sections():
-            part = packed[:, start: start + size]
-            out[name] = part[0].reshape(-1, 4) if name == "table_updates" else part.reshape(-1)
-            start += size
-        return out
