@@ -25,9 +25,10 @@ continuous only), so a prefix shared by many requests that arrive together is co
 When the pool's K/V are lost (a failed step consumed it), `preempt_all` sends every running
 request back to be recomputed.
 
-The slot table holds, per slot, the sampling parameters the runner reads as host arrays, and
-records the block-table entries written since the runner last took them: the tables themselves
-live with the runner, on the device, so a step sends only what changed.
+The slot table (`slot_table`) records what changed per slot (block-table entries, sampling
+parameters) for the runner, which keeps the tables on the device; the prefix cache's bookkeeping
+is `prefix_cache`. With several decode steps per dispatch, `look_ahead` gives each decoding
+request the pages of the steps it may run.
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ import heapq
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
 from jaxserve.engine.batching.block_manager import BlockManager
 from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
-from jaxserve.engine.batching.page_hash import page_hashes
 from jaxserve.engine.batching.policies import Policy
+from jaxserve.engine.batching.prefix_cache import PrefixCache
 from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.batching.slot_table import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -92,83 +94,6 @@ class Schedule:
         return request in self.sampling
 
 
-class SlotTable:
-    """Per-slot sampling parameters (host arrays), and what changed since the runner last took it:
-    the block-table entries written (`take_updates`) and the slots whose sampling parameters
-    changed (`take_sampling_updates`). The runner keeps both tables on the device and applies
-    these changes with the next step."""
-
-    def __init__(self, max_slots: int, eos_token_ids: Sequence[int] = (), stop_ids_width: int = 8):
-        self._updates: list[tuple[int, int, int, int]] = []  # (slot, group, index, page)
-        self._sampling_changed: set[int] = set()
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.temperature = np.zeros(max_slots, np.float32)
-        self.top_k = np.zeros(max_slots, np.int32)
-        self.top_p = np.ones(max_slots, np.float32)
-        self.min_p = np.zeros(max_slots, np.float32)
-        self.seed = np.zeros(max_slots, np.uint32)
-        self.stop_ids = np.full((max_slots, stop_ids_width), -1, np.int32)  # EOS unless ignored, stop token ids
-        self.host_steps = np.zeros(max_slots, bool)  # whose request needs the host after every token
-        self.num_host_steps = 0  # slots that do
-
-    def fill(self, slot: int, request: Request) -> None:
-        p = request.params
-        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
-            p.temperature, p.top_k, p.top_p, p.min_p)
-        self.seed[slot] = request.seed
-        stops = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
-        self.stop_ids[slot] = -1
-        self.stop_ids[slot, : min(len(stops), self.stop_ids.shape[1])] = stops[: self.stop_ids.shape[1]]
-        # Checked on the host token by token: log-probabilities, stop strings, grammars, and stop ids
-        # past what the device keeps. A request with any of them runs single steps.
-        host = (p.logprobs is not None or bool(p.stop) or p.structured_outputs is not None
-                or len(stops) > self.stop_ids.shape[1])
-        self.num_host_steps += int(host) - int(self.host_steps[slot])
-        self.host_steps[slot] = host
-        self._sampling_changed.add(slot)
-        self.write_pages(slot, request)
-
-    def write_pages(self, slot: int, request: Request, start: Sequence[int] | None = None) -> None:
-        """Records the entries of the request's block tables from `start[g]` in each group g on (all
-        of them by default)."""
-        for g, pages in enumerate(request.pages):
-            first = start[g] if start else 0
-            self._updates.extend((slot, g, i, page) for i, page in enumerate(pages[first:], first))
-
-    def write_null(self, slot: int, entries: Sequence[tuple[int, int]]) -> None:
-        """Records (group, index) entries that became the null page."""
-        self._updates.extend((slot, g, i, 0) for g, i in entries)
-
-    def write_all(self, requests: Sequence[Request]) -> None:
-        """Records every entry of the requests' block tables and their sampling parameters again
-        (after a failed step, whose changes may not have reached the device)."""
-        for request in requests:
-            self.write_pages(request.slot, request)
-            self._sampling_changed.add(request.slot)
-
-    def take_updates(self) -> np.ndarray:
-        """[n, 4] int32 (slot, group, index, page): the entries recorded since the last call, in order."""
-        updates, self._updates = np.array(self._updates, np.int32).reshape(-1, 4), []
-        return updates
-
-    def take_sampling_updates(self) -> np.ndarray | None:
-        """The slots [m] (int32, ascending) whose sampling parameters changed since the last call;
-        None if none did (most steps)."""
-        if not self._sampling_changed:
-            return None
-        slots, self._sampling_changed = np.array(sorted(self._sampling_changed), np.int32), set()
-        return slots
-
-    def clear(self, slot: int) -> None:
-        """A freed slot's sampling parameters back to greedy. Its block-table entries stay: a step
-        reads none past a sequence's length, and the next request in the slot writes its own."""
-        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = 0, 0, 1, 0
-        self.stop_ids[slot] = -1
-        self.num_host_steps -= int(self.host_steps[slot])
-        self.host_steps[slot] = False
-        self._sampling_changed.add(slot)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, policy: Policy,
                  clock: Callable[[], float] = time.monotonic):
@@ -181,7 +106,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
-        self._computing: dict[bytes, Request] = {}  # full prompt pages being computed, by hash
+        self.prefix = PrefixCache(blocks, self.kv)
         self._failed: list[Request] = []  # this schedule's requests whose scheduling raised
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission ...
@@ -323,7 +248,6 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         admitted, held_back = [], []
         allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
-        page_size = self.blocks.page_size
         while allowed > 0 and self.waiting and self._free_slots:
             request = self.waiting.popleft()
             try:
@@ -343,8 +267,8 @@ class Scheduler:
         """Admits a request taken from the queue: True; False when it is held back for a prefix
         being computed; None when the pool is short (it goes back to the queue's head)."""
         page_size = self.blocks.page_size
-        hit, tables, hashes = self._cache_hits(request)
-        if self.policy.waits_for_shared_prefix and hit < len(hashes) and hashes[hit] in self._computing:
+        hit, tables, hashes = self.prefix.hits(request)
+        if self.policy.waits_for_shared_prefix and self.prefix.being_computed(hashes, hit):
             held_back.append(request)  # its next page is being computed: take it from the cache later
             return False
         tokens = self.config.max_model_len if self.policy.reserve_full_context else request.num_tokens
@@ -366,43 +290,13 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed_tokens
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += request.num_computed_tokens
-        for h in hashes[hit:]:
-            self._computing.setdefault(h, request)
+        self.prefix.claim(request, hashes[hit:])
         self.table.fill(request.slot, request)
         return True
 
-    def _cache_hits(self, request: Request) -> tuple[int, list[list[int]], list[bytes]]:
-        """The leading pages of the request's prompt found in the cache, each group's block table
-        for them, and the hashes of the pages that may be looked up: the full pages before its
-        last token (which is always computed)."""
-        if not self.blocks.enable_caching:
-            return 0, [[] for _ in range(self.kv.num_groups)], []
-        hashes = page_hashes(request, (request.num_tokens - 1) // self.blocks.page_size, self.blocks.page_size)
-        return *self.kv.cache_hits(hashes), hashes
-
-    def _cache_computed_pages(self, request: Request) -> list[int]:
-        """Records the request's pages that are now full of computed tokens known on the host in
-        the prefix cache; returns them."""
-        if not self.blocks.enable_caching or request.num_computed_tokens // self.blocks.page_size <= \
-                request.num_cached_pages:
-            return []  # no page filled since (the common case)
-        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
-        full = known // self.blocks.page_size
-        if full <= request.num_cached_pages:
-            return []
-        hashes = page_hashes(request, full, self.blocks.page_size)
-        pages = self.kv.cache_pages(request, hashes, request.num_cached_pages)
-        for h in hashes[request.num_cached_pages:]:
-            if self._computing.get(h) is request:
-                del self._computing[h]
-        request.num_cached_pages = full
-        return pages
-
     def _release(self, request: Request) -> None:
         self.kv.release(request)
-        for h in request.page_hashes:
-            if self._computing.get(h) is request:
-                del self._computing[h]
+        self.prefix.release(request)
         if request.slot is not None:
             self.table.clear(request.slot)
             heapq.heappush(self._free_slots, request.slot)
@@ -454,7 +348,7 @@ class Scheduler:
                                     or request.num_prompt_tokens + outputs >= max_model_len)
             if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
                 # a page filled (a few requests a step): cached now, forgotten if the step fails
-                schedule.cached_pages += self._cache_computed_pages(request)
+                schedule.cached_pages += self.prefix.record(request)
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
@@ -488,7 +382,7 @@ class Scheduler:
                 break
             else:
                 if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
-                    self._cache_computed_pages(request)
+                    self.prefix.record(request)
         return finished
 
     def finish(self, request: Request, reason: FinishReason) -> None:
