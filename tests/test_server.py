@@ -446,8 +446,8 @@ def test_a_failure_delivering_outputs_ends_those_requests_and_the_server_goes_on
 
 
 def test_a_receiver_that_dies_turns_health_503_and_ends_what_was_in_flight(own_client, monkeypatch):
-    from jaxserve.entrypoints import engine_client
-    real, calls = engine_client.pickle.loads, []
+    from jaxserve.entrypoints import engine_channel
+    real, calls = engine_channel.pickle.loads, []
 
     def loads(data, *args, **kwargs):  # pickle's own: only the receiver's third message fails
         if threading.current_thread().name == "jaxserve-receiver":
@@ -455,7 +455,7 @@ def test_a_receiver_that_dies_turns_health_503_and_ends_what_was_in_flight(own_c
             if len(calls) == 3:  # a few messages in: the request is in flight
                 raise MemoryError("the receiver cannot go on")
         return real(data, *args, **kwargs)
-    monkeypatch.setattr(engine_client.pickle, "loads", loads)
+    monkeypatch.setattr(engine_channel.pickle, "loads", loads)
     r, health, after = _post_and_health(create_app(own_client), {"prompt": [5, 6, 7], "max_tokens": 60,
                                                                  "ignore_eos": True}, lambda: True)
     assert r.status_code == 503 and "stopped receiving" in r.json()["error"]["message"]

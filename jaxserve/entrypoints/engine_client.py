@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from typing import Any, Callable, Sequence
 
 import zmq
 
 from jaxserve.engine import core_process
 from jaxserve.errors import EngineDeadError, QueueFullError
+from jaxserve.entrypoints.engine_channel import EngineChannel
 from jaxserve.entrypoints.engine_supervisor import EngineSupervisor
 from jaxserve.entrypoints.metrics import Metrics
 from jaxserve.entrypoints.subscribers import Subscribers
@@ -44,23 +41,9 @@ class EngineClient:
         self.info: core_process.EngineInfo | None = None
         self.startup: dict = {"phase": "starting"}  # the engine's last start-up progress report
         self.error: str | None = None  # why the core died, if it did
-        self._dir = tempfile.mkdtemp(prefix="jaxserve-")
-        self._addrs = (f"ipc://{self._dir}/commands", f"ipc://{self._dir}/outputs")
-        self._context = zmq.Context()
-        self._commands = self._context.socket(zmq.PUSH)
-        self._outputs = self._context.socket(zmq.PULL)
-        for sock, addr in zip((self._commands, self._outputs), self._addrs):
-            sock.setsockopt(zmq.SNDHWM, 0)  # never drop nor block: the 429 bound limits the queue
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.bind(addr)
-        # Closes the channel when the client is dropped without close() (an app whose lifespan
-        # never ran): left to zmq's own finalizers, the context may be finalized before its sockets
-        # and then waits for them forever. Holds no reference to the client.
-        self._closer = weakref.finalize(self, _close_channel, self._context, (self._commands, self._outputs), self._dir)
-        self._closer.atexit = False  # at exit an engine thread may still hold sockets of the context
-        self._send_lock = threading.Lock()
+        self.channel = EngineChannel(self)
         self.subscribers = Subscribers()
-        self.supervisor = EngineSupervisor(self._addrs, self.metrics)
+        self.supervisor = EngineSupervisor(self.channel.addrs, self.metrics)
         self._receiver: threading.Thread | None = None
         self._closing = False
 
@@ -102,7 +85,7 @@ class EngineClient:
         client = cls(metrics)
 
         def run():
-            commands, outputs = core_process.connect(client._context, *client._addrs)
+            commands, outputs = core_process.connect(client.channel.context, *client.channel.addrs)
             try:
                 core_process.serve(engine, commands, outputs)
             finally:
@@ -115,14 +98,14 @@ class EngineClient:
     def _await_ready(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            while not self._outputs.poll(200):
+            while (message := self.channel.receive(200)) is None:
                 if self._closing or self.supervisor.stopping:
                     raise RuntimeError("the engine did not start: stopped meanwhile")
                 if not self.supervisor.alive():
                     raise RuntimeError(f"the engine did not start: {self.supervisor.exit_reason()}")
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the engine did not start within {timeout} s")
-            kind, payload = pickle.loads(self._outputs.recv())
+            kind, payload = message
             if kind == "info":  # before the warm-up; "ready" then carries none
                 if self.info is None:  # a restarted engine is the same model: its tokenizer is read
                     self.info = payload
@@ -150,7 +133,7 @@ class EngineClient:
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(5)
         self._die(self.error or "the engine was stopped", reason="abort")
-        self._closer()
+        self.channel.close()
 
     @property
     def alive(self) -> bool:
@@ -216,10 +199,8 @@ class EngineClient:
         return await future
 
     def _send(self, command: tuple) -> None:
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            with self._send_lock:
-                self._commands.send(data, zmq.NOBLOCK)
+            self.channel.send(command)
         except (zmq.Again, zmq.ContextTerminated, zmq.ZMQError) as e:
             raise EngineDeadError(f"the engine cannot be reached ({e})") from None
 
@@ -246,12 +227,10 @@ class EngineClient:
     def _receive_loop(self) -> None:
         while not self._closing:
             try:
-                ready = self._outputs.poll(500)
-                if ready:
-                    message = pickle.loads(self._outputs.recv())
+                message = self.channel.receive(500)
             except zmq.ZMQError:
                 return
-            if not ready:
+            if message is None:
                 if not self.supervisor.alive():
                     if not self.supervisor.stopping:
                         self._die(self.supervisor.exit_reason())
@@ -300,11 +279,3 @@ class EngineClient:
             log.error("the engine died: %s", why)
             self.error = why
         self.subscribers.end_all(f"the engine stopped ({why})", reason)
-
-
-def _close_channel(context: zmq.Context, sockets: tuple[zmq.Socket, ...], folder: str) -> None:
-    """Closes the client's sockets and context and removes the folder of their addresses."""
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
-    shutil.rmtree(folder, ignore_errors=True)
