@@ -184,7 +184,7 @@ class Runner:
         for start in range(0, last, TABLE_UPDATES):
             chunk = pad_updates(updates, start, TABLE_UPDATES, self.config.max_slots)
             self.block_tables = self.programs.get(("tables", TABLE_UPDATES))(
-                self.block_tables, chunk if self.mesh is None else self.replicated(chunk))
+                self.block_tables, self._host_or_replicated(chunk))
         return pad_updates(updates, last, TABLE_UPDATES, self.config.max_slots)
 
     def _write_sampling(self, slots: np.ndarray, params: SamplingBatch) -> None:

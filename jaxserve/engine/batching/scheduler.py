@@ -186,11 +186,8 @@ class Scheduler:
         if max(plan, default=1) <= 1 or not self.blocks.can_allocate(needed):
             return False
         for request, n in zip(list(schedule.num_tokens), plan):
-            end = request.num_computed_tokens + n
-            if end > request.num_table_tokens:
-                lengths = [len(t) for t in request.pages]
-                self.kv.grow(request, end)
-                self.table.write_pages(request.slot, request, lengths)
+            if request.num_computed_tokens + n > request.num_table_tokens:
+                self._grow(request, request.num_computed_tokens + n)
             schedule.num_tokens[request] = n
         schedule.decode_steps = steps
         return True
@@ -211,11 +208,9 @@ class Scheduler:
         in one pass that also sorts them: (decodes, (prompt chunk, tokens left), preempted)."""
         decodes, chunks, preempted = [], [], []
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop (only those after the current one are)
+            if request.status is not RequestStatus.RUNNING or request.stopping:
+                continue  # preempted earlier in this loop (only later ones are), or its last token is sampled
             total = request.num_tokens
-            if request.stopping:  # its last token is sampled: nothing to run
-                continue
             if total > request.num_table_tokens:  # a page to add (a few requests a step)
                 try:
                     self._add_pages(request, total, preempted)
@@ -241,9 +236,14 @@ class Scheduler:
             if victim is request:
                 return
         if needed > 0:
-            lengths = [len(t) for t in request.pages]
-            self.kv.grow(request, total)
-            self.table.write_pages(request.slot, request, lengths)
+            self._grow(request, total)
+
+    def _grow(self, request: Request, end: int) -> None:
+        """Gives a running request the pages its first `end` tokens need (they must be free), and
+        records its new block-table entries for the device."""
+        lengths = [len(t) for t in request.pages]
+        self.kv.grow(request, end)
+        self.table.write_pages(request.slot, request, lengths)
 
     def _admit(self) -> list[Request]:
         admitted, held_back = [], []
