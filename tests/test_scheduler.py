@@ -246,6 +246,23 @@ def test_finish_reasons_and_pages_freed():
     assert blocks.free_pages == blocks.total_pages and not sched.has_unfinished()
 
 
+def test_a_stop_id_ends_only_the_requests_it_belongs_to():
+    """`commit` looks closely only at tokens that end some request: another request's stop id, or
+    EOS under ignore_eos, goes on; a finished request's stop ids end no one any more."""
+    sched, blocks, _ = make(max_slots=3)
+    sched.add(req("a", 2, max_tokens=10, stop_token_ids=(4,)))
+    sched.add(req("b", 2, max_tokens=10, ignore_eos=True, stop_token_ids=tuple(range(20, 40))))  # more than 8
+    sched.add(req("c", 2, max_tokens=10))
+    finished = sched.update(sched.schedule(), np.array([4, EOS, 30]))  # a's stop; EOS for b; b's stop for c
+    assert ids(finished) == ["a"]
+    finished = sched.update(sched.schedule(), np.array([4, 4]))  # a's stop id, a gone: b and c go on
+    assert finished == []
+    finished = sched.update(sched.schedule(), np.array([39, EOS]))
+    assert ids(finished) == ["b", "c"] and [r.finish_reason.value for r in finished] == ["stop", "stop"]
+    assert [r.output_token_ids for r in finished] == [[EOS, 4, 39], [30, 4, EOS]]
+    assert blocks.free_pages == blocks.total_pages
+
+
 def test_a_chunk_that_does_not_finish_the_prompt_samples_nothing():
     sched, _, _ = make(num_pages=33, max_model_len=32, budget=4)
     sched.add(req("a", 6))

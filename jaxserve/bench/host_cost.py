@@ -8,13 +8,15 @@ so the stepping thread's CPU time is the engine's host work: scheduling, buildin
 dispatching, committing. The step's wall time is printed beside it; on a CPU it is mostly XLA's
 attention. The model is a random Llama (6 layers, hidden 64 unless told) whose context is
 `--max-model-len`, so the block tables are as wide as the default 32k context makes them. Only
-the public API and the model's modules are used, so this file also runs against older commits
+the public API and the model's modules are used (but by `--breakdown`, which times the phases of
+a step through this commit's internals), so this file also runs against older commits
 (`PYTHONPATH=old-checkout python jaxserve/bench/host_cost.py`), side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import statistics
 import subprocess
@@ -50,7 +52,35 @@ def tiny_engine(sequences: int, context: int, steps: int, max_model_len: int, la
     return Engine(cfg, weights, None, config, model_name=f"random llama {layers}x{hidden}")
 
 
-def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str | None = None) -> dict[str, float]:
+# The phases of a step, as `--breakdown` times them: (label, owner of the method, method), nested
+# ones after the phase that calls them (their time is taken out of it).
+PHASES = (("schedule", "scheduler", "schedule"), ("build inputs", "core", "_build"),
+          ("dispatch", "runner", "dispatch"), ("  pack inputs", "runner", "step_inputs"),
+          ("advance", "scheduler", "advance"), ("collect tokens", "runner", "collect"),
+          ("commit", "scheduler", "commit"), ("outputs", "outputs", "apply_stop_strings"))
+
+
+def time_phases(engine: Engine) -> dict[str, float]:
+    """Wraps the methods of `PHASES` on this engine's objects so that each adds the stepping
+    thread's CPU seconds to the returned totals (a nested phase's are also its caller's)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    owners = {"scheduler": engine.scheduler, "core": engine.core, "runner": engine.core.runner,
+              "outputs": engine.outputs}
+    for label, owner, name in PHASES:
+        method = getattr(owners[owner], name)
+
+        def timed(*args, _method=method, _label=label, **kwargs):
+            start = time.thread_time()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                totals[_label] += time.thread_time() - start
+        setattr(owners[owner], name, timed)
+    return totals
+
+
+def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str | None = None,
+            breakdown: bool = False) -> dict[str, float]:
     """Starts `sequences` requests of `context` prompt tokens, runs every prefill, then times
     `steps` calls of `Engine.step()` with every sequence decoding: the stepping thread's CPU ms and
     the wall ms per call (medians), and the tokens each sequence decoded per call (more than one
@@ -66,6 +96,7 @@ def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str
         engine.step()  # every decode program compiled, and the steps overlapping as they will
     assert len(engine.scheduler.running) == sequences, "a sequence finished before the steps were timed"
     cpu, wall = [], []
+    phases = time_phases(engine) if breakdown else {}
     decoded = sum(len(r.output_token_ids) for r in engine.scheduler.running)
     with jax.profiler.trace(trace) if trace else contextlib.nullcontext():
         for _ in range(steps):
@@ -76,8 +107,14 @@ def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str
     decoded = sum(len(r.output_token_ids) for r in engine.scheduler.running) - decoded
     for request in list(engine.scheduler.running):
         engine.abort(request.request_id)
-    return {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
-            "tokens_per_call": decoded / (sequences * steps)}
+    row = {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
+           "tokens_per_call": decoded / (sequences * steps)}
+    if breakdown:  # means per call; dispatch without the packing it calls; "other": the rest of step()
+        phases["dispatch"] -= phases["  pack inputs"]
+        row["phases"] = {label: phases[label] / steps * 1e3 for label, _, _ in PHASES}
+        row["phases"]["other"] = sum(cpu) / steps * 1e3 - sum(v for k, v in row["phases"].items()
+                                                              if not k.startswith(" "))
+    return row
 
 
 def main(argv=None) -> None:
@@ -91,6 +128,7 @@ def main(argv=None) -> None:
     p.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps (this commit's)")
     p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of the timed steps, per "
                    "configuration in DIR/SEQUENCES-MAX_MODEL_LEN")
+    p.add_argument("--breakdown", action="store_true", help="also the CPU ms of each phase of a step (means)")
     p.add_argument("--no-header", action="store_true")
     args = p.parse_args(argv)
     configs = [(m, n) for m in map(int, args.max_model_len.split(",")) for n in map(int, args.sequences.split(","))]
@@ -105,9 +143,13 @@ def main(argv=None) -> None:
     (max_model_len, n), = configs
     engine = tiny_engine(n, args.context, args.steps * args.decode_steps, max_model_len, args.layers, args.hidden,
                          args.decode_steps)
-    row = measure(engine, n, args.context, args.steps, args.trace and f"{args.trace}/{n}-{max_model_len}")
+    row = measure(engine, n, args.context, args.steps, args.trace and f"{args.trace}/{n}-{max_model_len}",
+                  args.breakdown)
     print(f"| {max_model_len} | {n} | {row['cpu_ms']:.2f} | {row['wall_ms']:.1f} | {row['tokens_per_call']:.2f} |",
           flush=True)
+    if args.breakdown:
+        phases = ", ".join(f"{label.strip()} {ms:.3f}" for label, ms in row["phases"].items())
+        print(f"  CPU ms by phase at {n}: {phases}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -146,28 +146,31 @@ class EngineCore:
         if constrained:
             batch.allowed = self.grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
                                                len(batch.sample_slots))
-        want_logprobs = any(r.params.logprobs is not None for r in schedule.sampling)
+        want_logprobs = (self.scheduler.table.num_host_steps > 0  # a request with logprobs is one of those
+                         and any(r.params.logprobs is not None for r in schedule.sampling))
         in_flight = self.runner.dispatch(batch, logprobs=want_logprobs)
         self.scheduler.advance(schedule)
         self._record(schedule)
         return schedule, batch.rows, in_flight, constrained
 
     def _build(self, schedule) -> StepBatch:
-        """The step's arrays, from one pass over its requests, with the slot table's changes."""
-        slots, starts, token_ids, sampling = [], [], [], schedule.sampling
+        """The step's arrays, from its requests' columns, with the slot table's changes. Decodes
+        come first (most rows: their one token is on the device unless steps run in order);
+        prompt chunks, a few, after them."""
+        requests = list(schedule.num_tokens)
+        decodes, chunks = requests[:schedule.num_decodes], requests[schedule.num_decodes:]
         multi = schedule.decode_steps > 1  # num_tokens counts decode steps of one token each
-        for request, n in schedule.num_tokens.items():
-            computed = request.num_computed_tokens
-            slots.append(request.slot)
-            starts.append(computed)
-            if (n == 1 or multi) and request.num_pending_tokens:  # its token is on the device (most rows)
-                token_ids.append(PENDING)
-            else:
-                token_ids += request.token_ids(computed, computed + (1 if multi else n))
-        counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(slots))
-        seqs = StepSeqs(np.array(slots, np.int64), np.array(starts, np.int32),
-                        np.ones_like(counts) if multi else counts, np.array(token_ids, np.int32),
-                        np.fromiter((r in sampling for r in schedule.num_tokens), bool, len(slots)))
+        starts = [r.num_computed_tokens for r in requests]
+        token_ids = [PENDING if r.num_pending_tokens else r.token_ids(start, start + 1)[0]
+                     for r, start in zip(decodes, starts)]
+        for r, start in zip(chunks, starts[len(decodes):]):
+            n = schedule.num_tokens[r]
+            token_ids += [PENDING] if n == 1 and r.num_pending_tokens else r.token_ids(start, start + n)
+        counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(requests))
+        samples = np.ones(len(requests), bool)
+        samples[len(decodes):] = [r in schedule.sampling for r in chunks]
+        seqs = StepSeqs(np.array([r.slot for r in requests], np.int64), np.array(starts, np.int32),
+                        np.ones_like(counts) if multi else counts, np.array(token_ids, np.int32), samples)
         table = self.scheduler.table
         changed = table.take_sampling_updates()
         updates = None

@@ -64,9 +64,11 @@ class Request:
     admit_time: float | None = None  # first admission, for queue-time metrics
     num_preemptions: int = 0
     num_prompt_tokens: int = dataclasses.field(init=False)  # the prompt never changes: counted once
+    max_num_tokens: int = dataclasses.field(init=False)  # where it stops for length (the scheduler caps it at the context)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -37,7 +37,7 @@ import dataclasses
 import heapq
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable
 
 import numpy as np
@@ -108,6 +108,9 @@ class Scheduler:
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
         self.prefix = PrefixCache(blocks, self.kv)
         self._failed: list[Request] = []  # this schedule's requests whose scheduling raised
+        self._stop_ids: Counter[int] = Counter()  # over unfinished requests: the ids that end one of them
+        self._stop_array: np.ndarray | None = None  # ... those, as an array (rebuilt when they change)
+        self._unrecorded: dict[Request, None] = {}  # filled a page whose last token was on the device at `advance`
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission ...
         self.prefix_cache_hits = 0  # ... and found
@@ -115,7 +118,20 @@ class Scheduler:
     # ---- queue ----
 
     def add(self, request: Request) -> None:
+        request.max_num_tokens = min(request.max_num_tokens, self.config.max_model_len)
+        self._stop_ids.update(self._stops(request))
+        self._stop_array = None
         self.waiting.append(request)
+
+    def _stops(self, request: Request) -> tuple[int, ...]:
+        """The token ids that end the request: its stop token ids, and EOS unless it ignores it."""
+        return request.params.stop_token_ids + (() if request.params.ignore_eos else self.config.eos_token_ids)
+
+    def _may_stop(self, tokens: np.ndarray) -> np.ndarray:
+        """Where `tokens` holds a token that ends some unfinished request (whose, `commit` checks)."""
+        if self._stop_array is None:
+            self._stop_array = np.fromiter((t for t, n in self._stop_ids.items() if n > 0), np.int64)
+        return np.isin(tokens, self._stop_array)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -334,56 +350,72 @@ class Scheduler:
     def advance(self, schedule: Schedule) -> None:
         """Right after a step is dispatched: every scheduled request has computed its tokens, and
         each one that sampled holds a pending token (the last one, if it reaches max_tokens or
-        the context)."""
-        sampling, max_model_len, steps = schedule.sampling, self.config.max_model_len, schedule.decode_steps
+        the context). A request that filled a page records it in the prefix cache, or, while
+        the page's last token is still on the device, at the next `commit`."""
+        sampling, multi, running = schedule.sampling, schedule.decode_steps > 1, RequestStatus.RUNNING
         caching, page_size = self.blocks.enable_caching, self.blocks.page_size
         for request, n in schedule.num_tokens.items():
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue
-            request.num_computed_tokens += n
+            computed = request.num_computed_tokens = request.num_computed_tokens + n
             if request in sampling:
-                request.num_pending_tokens += n if steps > 1 else 1
-                outputs = len(request.output_token_ids) + request.num_pending_tokens
-                request.stopping = (outputs >= request.params.max_tokens
-                                    or request.num_prompt_tokens + outputs >= max_model_len)
-            if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
-                # a page filled (a few requests a step): cached now, forgotten if the step fails
-                schedule.cached_pages += self.prefix.record(request)
+                pending = request.num_pending_tokens = request.num_pending_tokens + (n if multi else 1)
+                request.stopping = (request.num_prompt_tokens + len(request.output_token_ids) + pending
+                                    >= request.max_num_tokens)
+            if caching and computed // page_size > request.num_cached_pages:  # a page filled (a few a step)
+                schedule.cached_pages += self.prefix.record(request)  # forgotten if the step fails
+                if computed // page_size > request.num_cached_pages:
+                    self._unrecorded[request] = None
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
         i-th request of the schedule sampled, kept if it sampled; with several decode steps,
         tokens [steps, n] holds each step's, and a request keeps its first num_tokens[r] up to the
-        one that ends it. Appends them, retires finished requests, and returns those."""
-        finished = []
-        now = self.clock()
-        eos = self.config.eos_token_ids
-        caching, page_size = self.blocks.enable_caching, self.blocks.page_size
-        sampling = schedule.sampling
-        drawn = np.asarray(tokens).reshape(schedule.decode_steps, -1).T.tolist()  # per request, Python ints
-        for i, ((request, n), row) in enumerate(zip(schedule.num_tokens.items(), drawn)):
+        one that ends it. Appends them, retires finished requests, and returns those.
+
+        Most rows append their one token and nothing else: only those that sampled a token that
+        ends some request, reach their length, sample their first token, run several steps or
+        carry log-probabilities are looked at token by token (`_commit_row`)."""
+        finished, now = [], self.clock()
+        steps, sampling, running = schedule.decode_steps, schedule.sampling, RequestStatus.RUNNING
+        drawn = np.asarray(tokens).reshape(steps, -1)
+        careful = self._may_stop(drawn).any(axis=0) if steps == 1 and logprobs is None else \
+            np.ones(drawn.shape[1], bool)
+        for i, (request, token, look) in enumerate(zip(schedule.num_tokens, drawn[0].tolist(), careful.tolist())):
             if request not in sampling or request.finished:
                 continue  # a prompt chunk that is not the last, or aborted meanwhile
-            if request.first_token_time is None:
-                request.first_token_time = now
-            params = request.params
-            for token in row[:n] if schedule.decode_steps > 1 else row:
+            if look or request.stopping or request.status is not running or request.first_token_time is None:
+                if self._commit_row(request, drawn[:schedule.num_tokens[request] if steps > 1 else 1, i].tolist(),
+                                    logprobs and logprobs[i], now):
+                    finished.append(request)
+            else:
                 request.num_pending_tokens -= 1
                 request.output_token_ids.append(token)
-                if logprobs is not None:
-                    request.logprobs.append(logprobs[i])
-                if (token in params.stop_token_ids) or (not params.ignore_eos and token in eos):
-                    self.finish(request, FinishReason.STOP)
-                elif request.stopping and not request.num_pending_tokens:
-                    self.finish(request, FinishReason.LENGTH)
-                else:
-                    continue
-                finished.append(request)
-                break
-            else:
-                if caching and request.num_computed_tokens // page_size > request.num_cached_pages:
-                    self.prefix.record(request)
+        if self._unrecorded:
+            page_size = self.blocks.page_size
+            for request in [r for r in self._unrecorded if not r.finished]:
+                self.prefix.record(request)
+            self._unrecorded = {r: None for r in self._unrecorded
+                                if not r.finished and r.num_computed_tokens // page_size > r.num_cached_pages}
         return finished
+
+    def _commit_row(self, request: Request, tokens: list[int], logprobs: dict | None, now: float) -> bool:
+        """Appends a request's tokens up to the one that ends it; returns whether one did."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        stops = self._stops(request)
+        for token in tokens:
+            request.num_pending_tokens -= 1
+            request.output_token_ids.append(token)
+            if logprobs:
+                request.logprobs.append(logprobs)
+            if token in stops:
+                self.finish(request, FinishReason.STOP)
+                return True
+            if request.stopping and not request.num_pending_tokens:
+                self.finish(request, FinishReason.LENGTH)
+                return True
+        return False
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Retires a request with `reason`, releasing its slot and pages."""
@@ -392,6 +424,8 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._release(request)
+        self._stop_ids.subtract(self._stops(request))
+        self._stop_array = None
         request.num_pending_tokens = 0  # a later step's token for it is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

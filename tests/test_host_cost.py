@@ -1,0 +1,15 @@
+"""The host-cost benchmark's phase breakdown: every phase of a decoding step is timed, and the
+phases account for the step's CPU time."""
+
+from jaxserve.bench import host_cost
+
+
+def test_the_breakdown_times_every_phase_of_a_step():
+    engine = host_cost.tiny_engine(sequences=2, context=20, steps=3, max_model_len=256, layers=1, hidden=32)
+    row = host_cost.measure(engine, sequences=2, context=20, steps=3, breakdown=True)
+    phases = row["phases"]
+    assert list(phases) == [label for label, _, _ in host_cost.PHASES] + ["other"]
+    for label in ("schedule", "build inputs", "dispatch", "  pack inputs", "advance", "collect tokens", "commit"):
+        assert phases[label] > 0, label  # each wrapped method ran in every timed step
+    assert phases["other"] >= 0  # the timed phases are parts of the step, none counted twice
+    assert row["tokens_per_call"] == 1.0
