@@ -27,8 +27,9 @@ request back to be recomputed.
 
 The slot table (`slot_table`) records what changed per slot (block-table entries, sampling
 parameters) for the runner, which keeps the tables on the device; the prefix cache's bookkeeping
-is `prefix_cache`. With several decode steps per dispatch, `look_ahead` gives each decoding
-request the pages of the steps it may run.
+is `prefix_cache`; `stop_ids` holds the ids that end some unfinished request, which `commit`
+tests a step's tokens against. With several decode steps per dispatch, `look_ahead` gives each
+decoding request the pages of the steps it may run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import dataclasses
 import heapq
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -48,6 +49,7 @@ from jaxserve.engine.batching.policies import Policy
 from jaxserve.engine.batching.prefix_cache import PrefixCache
 from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.batching.slot_table import SlotTable
+from jaxserve.engine.batching.stop_ids import StopIds
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +110,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
         self.prefix = PrefixCache(blocks, self.kv)
         self._failed: list[Request] = []  # this schedule's requests whose scheduling raised
-        self._stop_ids: Counter[int] = Counter()  # over unfinished requests: the ids that end one of them
-        self._stop_array: np.ndarray | None = None  # ... those, as an array (rebuilt when they change)
+        self.stop_ids = StopIds(config.eos_token_ids)  # those that end some unfinished request
         self._unrecorded: dict[Request, None] = {}  # filled a page whose last token was on the device at `advance`
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission ...
@@ -119,19 +120,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.max_num_tokens = min(request.max_num_tokens, self.config.max_model_len)
-        self._stop_ids.update(self._stops(request))
-        self._stop_array = None
+        self.stop_ids.add(request)
         self.waiting.append(request)
-
-    def _stops(self, request: Request) -> tuple[int, ...]:
-        """The token ids that end the request: its stop token ids, and EOS unless it ignores it."""
-        return request.params.stop_token_ids + (() if request.params.ignore_eos else self.config.eos_token_ids)
-
-    def _may_stop(self, tokens: np.ndarray) -> np.ndarray:
-        """Where `tokens` holds a token that ends some unfinished request (whose, `commit` checks)."""
-        if self._stop_array is None:
-            self._stop_array = np.fromiter((t for t, n in self._stop_ids.items() if n > 0), np.int64)
-        return np.isin(tokens, self._stop_array)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -379,7 +369,7 @@ class Scheduler:
         finished, now = [], self.clock()
         steps, sampling, running = schedule.decode_steps, schedule.sampling, RequestStatus.RUNNING
         drawn = np.asarray(tokens).reshape(steps, -1)
-        careful = self._may_stop(drawn).any(axis=0) if steps == 1 and logprobs is None else \
+        careful = self.stop_ids.among(drawn).any(axis=0) if steps == 1 and logprobs is None else \
             np.ones(drawn.shape[1], bool)
         for i, (request, token, look) in enumerate(zip(schedule.num_tokens, drawn[0].tolist(), careful.tolist())):
             if request not in sampling or request.finished:
@@ -403,7 +393,7 @@ class Scheduler:
         """Appends a request's tokens up to the one that ends it; returns whether one did."""
         if request.first_token_time is None:
             request.first_token_time = now
-        stops = self._stops(request)
+        stops = self.stop_ids.of(request)
         for token in tokens:
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
@@ -424,8 +414,7 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._release(request)
-        self._stop_ids.subtract(self._stops(request))
-        self._stop_array = None
+        self.stop_ids.remove(request)
         request.num_pending_tokens = 0  # a later step's token for it is dropped
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
