@@ -168,30 +168,37 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     bucket)."""
     n = len(seqs.slots)
     lens = seqs.lens.astype(np.int32)
-    replica = seqs.slots % replicas
-    order = np.argsort(replica, kind="stable") if replicas > 1 else np.arange(n)  # replica 0's, then 1's, ...
-    counts = np.bincount(replica, minlength=replicas)
-    token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
+    ends = np.cumsum(lens)  # over all replicas; each replica's own cumsum subtracts its start
+    total = int(ends[-1]) if n else 0
+    if replicas == 1:  # every sequence in step order, and none of the dealing below
+        order, rep, index = slice(None), np.zeros(n, np.int64), np.arange(n)
+        counts, token_counts = np.array([n]), np.array([total])
+    else:
+        replica = seqs.slots % replicas
+        order = np.argsort(replica, kind="stable")  # replica 0's, then 1's, ...
+        counts = np.bincount(replica, minlength=replicas)
+        token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
+        rep = replica[order]
+        first_seq = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each replica's first sequence (in `order`)
+        index = np.arange(n) - first_seq[rep]  # each sequence's place within its replica
+        lens = lens[order]
+        ends = np.cumsum(lens)
     t_size, r_size = buckets.shape(int(token_counts.max(initial=0)), int(counts.max(initial=0)))
     if decode_steps is not None:
         t_size = buckets.shape(r_size, r_size)[0]
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
-    slots, starts, lens, samples = seqs.slots[order], seqs.starts[order], lens[order], seqs.samples[order]
-    first_seq = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each replica's first sequence (in `order`)
-    index = np.arange(n) - first_seq[replica[order]]  # each sequence's place within its replica
-    rep = replica[order]
-    ends = np.cumsum(lens)  # over all replicas; each replica's own cumsum subtracts its start
+    slots, starts, samples = seqs.slots[order], seqs.starts[order], seqs.samples[order]
     starts_in_flat = ends - lens
-    rep_token0 = np.concatenate([[0], np.cumsum(token_counts)[:-1]])
-    local_ends = ends - rep_token0[rep]  # within the replica
-    total = int(ends[-1]) if n else 0
     seq_of_token = np.repeat(np.arange(n), lens)
     offset_in_seq = np.arange(total) - starts_in_flat[seq_of_token]
-    token_rows = rep[seq_of_token] * t_size + local_ends[seq_of_token] - lens[seq_of_token] + offset_in_seq
-    flat_ids = seqs.token_ids
-    if replicas > 1:  # the token ids in `order`
-        src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]
-        flat_ids = flat_ids[src_start[seq_of_token] + offset_in_seq]
+    if replicas == 1:
+        local_ends, token_rows, flat_ids = ends, np.arange(total), seqs.token_ids
+    else:
+        rep_token0 = np.concatenate([[0], np.cumsum(token_counts)[:-1]])
+        local_ends = ends - rep_token0[rep]  # within the replica
+        token_rows = rep[seq_of_token] * t_size + local_ends[seq_of_token] - lens[seq_of_token] + offset_in_seq
+        src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]  # the token ids in `order`
+        flat_ids = seqs.token_ids[src_start[seq_of_token] + offset_in_seq]
 
     tokens = np.zeros(replicas * t_size, np.int32)
     token_slots = np.full(replicas * t_size, -1, np.int32)
