@@ -489,26 +489,29 @@ def _host_bytes(obj) -> int:
 
 def test_a_decode_step_copies_one_host_array_to_the_device(engine, monkeypatch):
     """Once every request decodes, a step's programs take one host array between them (its inputs
-    and block-table entries packed together); what else they read is on the device already."""
+    and block-table entries packed together); what else they read is on the device already, the
+    weights as a flat tuple of arrays (an nnx.State would be flattened in Python on every call)."""
     import jax
     small = engine.with_strategy("paged")
     ids = [small.add_request(p, SamplingParams(max_tokens=60, temperature=0.8, seed=1, ignore_eos=True))
            for p in prompts(4)]
     while small.scheduler.waiting or any(r.num_uncomputed_tokens > 1 for r in small.scheduler.running):
         small.step()
-    real, host_arrays = small.runner.programs.get, []
+    real, host_arrays, weights = small.runner.programs.get, [], []
 
     def counting(key):
         program = real(key)
 
         def run(*args):
             host_arrays.append(sum(isinstance(x, np.ndarray) for x in jax.tree.leaves(args)))
+            weights.append(args[0])
             return program(*args)
         return run
     monkeypatch.setattr(small.runner.programs, "get", counting)
     for _ in range(12):  # 12 tokens: every sequence crosses a page (8 tokens) at least once
         small.step()
     assert len(host_arrays) == 12 * 2 and sum(host_arrays) == 12  # forward and sample; one array a step
+    assert all(type(w) is tuple and all(isinstance(x, jax.Array) for x in w) for w in weights)
     for i in ids:
         small.abort(i)
         small.release(i)

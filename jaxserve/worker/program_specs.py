@@ -66,18 +66,19 @@ def program_spec(runner, key: tuple) -> tuple:
     # Explicit layouts: params and pool keep theirs (the donated pool comes back in place),
     # step inputs and logits are split by replica, and slot and sampled tokens are replicated.
     replicated = sharding.replicated(runner.mesh)
+    weights = tuple(jax.tree.leaves(runner.param_shardings))  # flat, like the weights (`StepPrograms`)
     kv = (runner.kv_sharding, runner.kv_sharding)
     shardings = jax.tree.map(lambda x: x.sharding, args)
     if kind in ("tables", "sampling"):
         out = replicated
     elif kind == "forward":
-        shardings = (runner.param_shardings, kv, *shardings[2:])
+        shardings = (weights, kv, *shardings[2:])
         out = (kv, replicated, hidden.sharding, row_inputs.sharding, row_inputs.sharding)
     elif kind == "sample":
-        shardings = (runner.param_shardings, *shardings[1:])
+        shardings = (weights, *shardings[1:])
         out = (replicated, replicated, logits.sharding)
     elif kind == "decode":
-        shardings = (runner.param_shardings, kv, *shardings[2:])
+        shardings = (weights, kv, *shardings[2:])
         out = (kv, replicated, replicated, replicated)
     else:
         out = replicated

@@ -95,14 +95,18 @@ class Runner:
             kv_sharding = sharding.kv_pool_sharding(mesh, model.cfg)
             attend = sharding.per_shard_attention(attend, mesh, model.cfg)
         self.kv_sharding = kv_sharding
-        self.bodies = StepPrograms(graphdef, attend, self.replicas, config.page_size, config.max_slots,
+        state_def = jax.tree.structure(self.state)
+        self.bodies = StepPrograms(graphdef, state_def, attend, self.replicas, config.page_size, config.max_slots,
                                    config.decode_steps, config.num_logprobs)
         self.dtype = str(model.embed[...].dtype)
-        self.states = {self.dtype: self.state}
+        self.states = {self.dtype: tuple(jax.tree.leaves(self.state))}  # per dtype: the programs' flat weights
         if other is not None:
             if mesh is not None:
                 raise ValueError("a second copy of the weights in another dtype is for one device only")
-            self.states[str(other.embed[...].dtype)] = nnx.split(other)[1]
+            leaves, other_def = jax.tree.flatten(nnx.split(other)[1])
+            if other_def != state_def:
+                raise ValueError("the copy of the weights in another dtype is not laid out like the model's")
+            self.states[str(other.embed[...].dtype)] = tuple(leaves)
         self._program_dtype = dict(config.program_dtypes)
         missing = set(self._program_dtype.values()) - self.states.keys()
         if missing:
@@ -228,9 +232,9 @@ class Runner:
             self._place_rows(batch.allowed)
         return packed, allowed
 
-    def state_for(self, key: tuple):
-        """The weights the program `key` runs on: the model's, or their copy in the dtype
-        `config.program_dtypes` gives it."""
+    def state_for(self, key: tuple) -> tuple:
+        """The weights the program `key` runs on (flat, see `StepPrograms`): the model's, or their
+        copy in the dtype `config.program_dtypes` gives it."""
         return self.states[self._program_dtype.get(key[:2], self.dtype)]
 
     def _all_allowed(self, rows: int) -> jax.Array:

@@ -28,15 +28,23 @@ from jaxserve.worker.step_layout import StepLayout
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepPrograms:
-    """What the programs close over: the model's graph, the attention, and the step's fixed sizes."""
+    """What the programs close over: the model's graph, the attention, and the step's fixed sizes.
+    The programs take the weights as a flat tuple of arrays (`weights`), whose structure they
+    close over: jax flattens a tuple of arrays in C++, an nnx.State in Python, variable by variable,
+    on every call."""
 
     graphdef: object
+    state_def: object  # the tree structure of the model's nnx.State
     attend: object  # the attention function (per shard under a mesh)
     replicas: int  # data-parallel replicas: each holds an equal slice of every step array
     page_size: int
     max_slots: int
     decode_steps: int
     num_logprobs: int
+
+    def model(self, weights):
+        """The model, from the flat tuple of its weights."""
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, weights))
 
     def inputs(self, layout: StepLayout, packed, block_tables):
         """The step's inputs from its one array, with its table updates written into the block
@@ -52,7 +60,7 @@ class StepPrograms:
         the pool, the tables, the final hidden states [W, D] of each sequence's last token (rows
         logits_indices [W], a replica's slice after another's), and the sampling rows' positions
         and slots [W] (each replica's), which the sample program takes with the hidden states."""
-        model = nnx.merge(self.graphdef, state)
+        model = self.model(state)
         block_tables, x, meta = self.inputs(layout, packed, block_tables)
         meta = table_metadata(meta, block_tables, x["seq_slots"], x["token_seq_slots"], self.page_size)
         token_slots = x["token_slots"]
@@ -73,7 +81,7 @@ class StepPrograms:
         unmasked."""
         rows = allowed.shape[0] // self.replicas
         hidden, positions, sample_slots = (self.first_rows(x, rows) for x in (hidden, positions, sample_slots))
-        logits = nnx.merge(self.graphdef, state).logits(hidden)
+        logits = self.model(state).logits(hidden)
         params = slot_sampling.at(jnp.minimum(sample_slots, self.max_slots))
         next_tokens = sample(logits, params, positions=positions, allowed=allowed, mode=mode)
         return slot_tokens.at[sample_slots].set(next_tokens, mode="drop"), next_tokens, logits
@@ -86,7 +94,7 @@ class StepPrograms:
         a token of its stop ids (EOS, stop token ids); from then on it writes only the null page
         and keeps its slot token. Returns the pool, the tables, the slot tokens and the tokens
         [K, R] each step sampled (a stopped row's: ignored by the host)."""
-        model = nnx.merge(self.graphdef, state)
+        model = self.model(state)
         block_tables, x, meta = self.inputs(layout, packed, block_tables)
         num_slots = self.max_slots
         token_steps, seq_steps, token_seq_slots = x["token_steps"], x["seq_steps"], x["token_seq_slots"]
