@@ -37,7 +37,9 @@ token_steps, seq_steps and row_steps say how many steps each sequence runs.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -131,11 +133,11 @@ class StepBuckets:
     max_seqs: int  # per replica
     min_rows: int = 1  # the smallest token and row size
 
-    @property
+    @functools.cached_property
     def token_sizes(self) -> list[int]:
         return _series(max(self.max_tokens, self.min_rows), self.min_rows)
 
-    @property
+    @functools.cached_property
     def row_sizes(self) -> list[int]:
         return _series(max(self.max_seqs, self.min_rows), self.min_rows)
 
@@ -153,8 +155,11 @@ class StepBuckets:
         if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
             raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds the largest "
                              f"bucket ({self.max_tokens} tokens, {self.max_seqs} sequences)")
-        return (next(s for s in self.token_sizes if s >= num_tokens),
-                next(s for s in self.row_sizes if s >= num_seqs))
+        tokens, rows = self.token_sizes, self.row_sizes
+        return tokens[bisect.bisect_left(tokens, num_tokens)], rows[bisect.bisect_left(rows, num_seqs)]
+
+
+_NO_SAMPLING_UPDATES = np.zeros(0, np.int32), SamplingBatch.greedy(0)  # no rows: nothing to change in them
 
 
 def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuckets, replicas: int = 1,
@@ -228,7 +233,7 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     sample_slots[rows[order]] = np.where(samples, slots, num_slots)
     meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
                         query_start=query_start.reshape(-1), num_seqs=counts.astype(np.int32))
-    sampling_slots, sampling = sampling_updates if sampling_updates is not None else _no_sampling_updates()
+    sampling_slots, sampling = sampling_updates if sampling_updates is not None else _NO_SAMPLING_UPDATES
     batch = StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
                       token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
                       sampling_slots, sampling, sampling_mode, num_tokens=total)
@@ -262,10 +267,6 @@ def table_updates(block_tables: np.ndarray) -> np.ndarray:
     return np.concatenate([index, block_tables[tuple(index.T)][:, None]], axis=1).astype(np.int32)
 
 
-def _no_sampling_updates() -> tuple[np.ndarray, SamplingBatch]:
-    return np.zeros(0, np.int32), SamplingBatch.greedy(0)
-
-
 def pad_updates(updates: np.ndarray, start: int, size: int, drop_slot: int) -> np.ndarray:
     """Rows start.. start + size of table updates [n, 4], padded to `size` rows that drop (slot
     `drop_slot`, past the table): the fixed shape of `write_table_entries`."""
@@ -291,5 +292,5 @@ def padding_batch(tokens: int, rows: int, buckets: StepBuckets, max_slots: int, 
                         query_start=zeros(r * (seqs + 1)), num_seqs=zeros(r))
     return StepBatch(zeros(r * tokens), zeros(r * tokens) - 1, meta, zeros(r * width), zeros(r * rows),
                      np.full(r * rows, max_slots, np.int32), zeros(0), zeros(r * seqs), zeros(r * tokens) - 1,
-                     np.zeros((0, 4), np.int32), *_no_sampling_updates(), token_steps=zeros(r * tokens),
+                     np.zeros((0, 4), np.int32), *_NO_SAMPLING_UPDATES, token_steps=zeros(r * tokens),
                      seq_steps=zeros(r * seqs), row_steps=zeros(r * rows))
