@@ -77,6 +77,7 @@ class EngineCore:
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000))
         self.grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        self.overlaps_steps = config.overlaps_steps  # asks the backend: once, not every step
         self.idle = True  # the last step had nothing to run
         self._in_flight = None  # the dispatched step whose tokens are not on the host yet
         self._sampling_mode = "greedy"  # the sample program every slot's parameters need
@@ -112,7 +113,7 @@ class EngineCore:
                 finished += self._collect(*self._in_flight)
             self._in_flight = launched
             # A constrained row's next mask needs the token it just sampled: collect it now.
-            if launched is not None and (not self.config.overlaps_steps or launched[3]):
+            if launched is not None and (not self.overlaps_steps or launched[3]):
                 self._in_flight = None
                 finished += self._collect(*launched)
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
@@ -161,8 +162,8 @@ class EngineCore:
         decodes, chunks = requests[:schedule.num_decodes], requests[schedule.num_decodes:]
         multi = schedule.decode_steps > 1  # num_tokens counts decode steps of one token each
         starts = [r.num_computed_tokens for r in requests]
-        token_ids = [PENDING if r.num_pending_tokens else r.token_ids(start, start + 1)[0]
-                     for r, start in zip(decodes, starts)]
+        token_ids = [PENDING if r.num_pending_tokens else (r.output_token_ids or r.prompt_token_ids)[-1]
+                     for r in decodes]  # a decode runs the sequence's last token
         for r, start in zip(chunks, starts[len(decodes):]):
             n = schedule.num_tokens[r]
             token_ids += [PENDING] if n == 1 and r.num_pending_tokens else r.token_ids(start, start + n)
@@ -194,10 +195,10 @@ class EngineCore:
         """Brings a dispatched step's tokens to the host and commits them; the constrained
         requests' matchers consume theirs."""
         out = self.runner.collect(in_flight)
-        requests = list(schedule.num_tokens)
         tokens = out.tokens[..., rows]  # [n], or [steps, n] for several decode steps
         live = [(i, r) for i, r in constrained if not r.finished]  # not aborted meanwhile
-        finished = self.scheduler.commit(schedule, tokens, _logprob_dicts(out.logprobs, rows, requests))
+        logprobs = None if out.logprobs is None else _logprob_dicts(out.logprobs, rows, list(schedule.num_tokens))
+        finished = self.scheduler.commit(schedule, tokens, logprobs)
         for i, request in live:
             if self._advance_grammar(request, int(tokens[i])):
                 finished.append(request)
@@ -254,9 +255,7 @@ class EngineCore:
         }
 
 
-def _logprob_dicts(logprobs, rows: np.ndarray, requests: list[Request]) -> list[dict] | None:
-    if logprobs is None:
-        return None
+def _logprob_dicts(logprobs, rows: np.ndarray, requests: list[Request]) -> list[dict]:
     chosen, top_ids, top_logp = logprobs
     out = []
     for i, r in zip(rows, requests):

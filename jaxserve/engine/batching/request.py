@@ -24,7 +24,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
     """Mutable host-side state of one sequence.
 

@@ -212,17 +212,18 @@ class Scheduler:
     def _grow_running(self) -> tuple[list[Request], list[tuple[Request, int]], list[Request]]:
         """Gives each running sequence the pages its tokens need, preempting the newest when out,
         in one pass that also sorts them: (decodes, (prompt chunk, tokens left), preempted)."""
-        decodes, chunks, preempted = [], [], []
+        decodes, chunks, preempted, running = [], [], [], RequestStatus.RUNNING
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or request.stopping:
+            if request.status is not running or request.stopping:
                 continue  # preempted earlier in this loop (only later ones are), or its last token is sampled
-            total = request.num_tokens
+            # num_tokens, spelled out: this loop runs for every request every step
+            total = request.num_prompt_tokens + len(request.output_token_ids) + request.num_pending_tokens
             if total > request.num_table_tokens:  # a page to add (a few requests a step)
                 try:
                     self._add_pages(request, total, preempted)
                 except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
                     self._fail(request)
-                if request.status is not RequestStatus.RUNNING:
+                if request.status is not running:
                     continue
             left = total - request.num_computed_tokens
             if left == 1:
@@ -372,9 +373,11 @@ class Scheduler:
         careful = self.stop_ids.among(drawn).any(axis=0) if steps == 1 and logprobs is None else \
             np.ones(drawn.shape[1], bool)
         for i, (request, token, look) in enumerate(zip(schedule.num_tokens, drawn[0].tolist(), careful.tolist())):
-            if request not in sampling or request.finished:
-                continue  # a prompt chunk that is not the last, or aborted meanwhile
+            if request not in sampling:
+                continue  # a prompt chunk that is not the last
             if look or request.stopping or request.status is not running or request.first_token_time is None:
+                if request.finished:
+                    continue  # aborted meanwhile
                 if self._commit_row(request, drawn[:schedule.num_tokens[request] if steps > 1 else 1, i].tolist(),
                                     logprobs and logprobs[i], now):
                     finished.append(request)
