@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve.engine.batching import (BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy)
 from jaxserve.engine.batching.request import PENDING
+from jaxserve.engine.batching.stop_ids import StopIds
 
 EOS = 0
 
@@ -261,6 +262,19 @@ def test_a_stop_id_ends_only_the_requests_it_belongs_to():
     assert ids(finished) == ["b", "c"] and [r.finish_reason.value for r in finished] == ["stop", "stop"]
     assert [r.output_token_ids for r in finished] == [[EOS, 4, 39], [30, 4, EOS]]
     assert blocks.free_pages == blocks.total_pages
+
+
+def test_stop_ids_among_marks_exactly_the_ids_of_unfinished_requests():
+    stops = StopIds(eos_token_ids=(EOS,))
+    a, b = req("a", 2, stop_token_ids=(7, 262_143)), req("b", 2, ignore_eos=True, stop_token_ids=(5,))
+    stops.add(a)
+    stops.add(b)
+    tokens = np.array([[0, 5, 7, 6, 8, 262_143, 262_142, 300_000]])
+    assert stops.among(tokens).tolist() == [[True, True, True, False, False, True, False, False]]
+    stops.remove(a)  # b ignores EOS: only 5 is left
+    assert stops.among(tokens).tolist() == [[False, True] + [False] * 6]
+    stops.remove(b)
+    assert not stops.among(tokens).any()
 
 
 def test_a_chunk_that_does_not_finish_the_prompt_samples_nothing():
