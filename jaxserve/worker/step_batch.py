@@ -176,8 +176,7 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     ends = np.cumsum(lens)  # over all replicas; each replica's own cumsum subtracts its start
     total = int(ends[-1]) if n else 0
     if replicas == 1:  # every sequence in step order, and none of the dealing below
-        order, rep, index = slice(None), np.zeros(n, np.int64), np.arange(n)
-        counts, token_counts = np.array([n]), np.array([total])
+        order, counts, token_counts = slice(None), np.array([n]), np.array([total])
     else:
         replica = seqs.slots % replicas
         order = np.argsort(replica, kind="stable")  # replica 0's, then 1's, ...
@@ -196,14 +195,23 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     starts_in_flat = ends - lens
     seq_of_token = np.repeat(np.arange(n), lens)
     offset_in_seq = np.arange(total) - starts_in_flat[seq_of_token]
+    # Where each token, sequence, sampling row and logits row lands: with one replica, the first
+    # rows of each array (slices, cheaper than scattering through indices)
     if replicas == 1:
-        local_ends, token_rows, flat_ids = ends, np.arange(total), seqs.token_ids
+        local_ends, flat_ids, last_tokens = ends, seqs.token_ids, ends - 1
+        token_rows, seq_rows, sample_rows, logit_rows = slice(0, total), slice(0, n), slice(0, n), slice(0, n)
+        query_rows, rows = (0, slice(1, n + 1)), np.arange(n)
     else:
         rep_token0 = np.concatenate([[0], np.cumsum(token_counts)[:-1]])
         local_ends = ends - rep_token0[rep]  # within the replica
         token_rows = rep[seq_of_token] * t_size + local_ends[seq_of_token] - lens[seq_of_token] + offset_in_seq
         src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]  # the token ids in `order`
         flat_ids = seqs.token_ids[src_start[seq_of_token] + offset_in_seq]
+        seq_rows, logit_rows, query_rows = rep * s_size + index, rep * w_size + index, (rep, index + 1)
+        last_tokens = rep * t_size + local_ends - 1
+        rows = np.zeros(n, np.int64)
+        rows[order] = rep * r_size + index
+        sample_rows = rows[order]
 
     tokens = np.zeros(replicas * t_size, np.int32)
     token_slots = np.full(replicas * t_size, -1, np.int32)
@@ -215,22 +223,19 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     positions[token_rows] = starts[seq_of_token] + offset_in_seq
     token_seq_slots[token_rows] = slots[seq_of_token]
 
-    seq_rows = rep * s_size + index
     kv_lens = np.zeros(replicas * s_size, np.int32)
     seq_slots = np.zeros(replicas * s_size, np.int32)
     kv_lens[seq_rows] = starts + lens
     seq_slots[seq_rows] = slots
     query_start = np.zeros((replicas, s_size + 1), np.int32)  # past a replica's last sequence: its total
     query_start[:, 1:] = token_counts[:, None]
-    query_start[rep, index + 1] = local_ends
+    query_start[query_rows] = local_ends
     logits_indices = np.zeros(replicas * w_size, np.int32)
-    logits_indices[rep * w_size + index] = rep * t_size + local_ends - 1
-    rows = np.zeros(n, np.int64)
-    rows[order] = rep * r_size + index
+    logits_indices[logit_rows] = last_tokens
     sample_positions = np.zeros(replicas * r_size, np.int32)
     sample_slots = np.full(replicas * r_size, num_slots, np.int32)
-    sample_positions[rows[order]] = starts + lens
-    sample_slots[rows[order]] = np.where(samples, slots, num_slots)
+    sample_positions[sample_rows] = starts + lens
+    sample_slots[sample_rows] = np.where(samples, slots, num_slots)
     meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
                         query_start=query_start.reshape(-1), num_seqs=counts.astype(np.int32))
     sampling_slots, sampling = sampling_updates if sampling_updates is not None else _NO_SAMPLING_UPDATES
@@ -244,7 +249,7 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
         batch.row_steps = np.zeros(len(sample_slots), np.int32)
         batch.token_steps[token_rows] = steps  # one token per sequence: token k is sequence k's
         batch.seq_steps[seq_rows] = steps
-        batch.row_steps[rows[order]] = steps
+        batch.row_steps[sample_rows] = steps
         batch.num_tokens = int(steps.sum())
     return batch
 

@@ -1,0 +1,38 @@
+"""build_step's arrays, worked out by hand: one replica (each array's first rows), and two (each
+replica's slice padded on its own)."""
+
+import numpy as np
+
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step
+
+
+def _step(replicas: int, slots: tuple[int, int]):
+    # a decode whose token is on the device (slot slots[0], 10 tokens in the pool), then a prompt
+    # chunk of 3 tokens that does not sample (slot slots[1])
+    seqs = StepSeqs.of([ScheduledSeq(slots[0], 10, [-1]), ScheduledSeq(slots[1], 0, [5, 6, 7], samples=False)])
+    return build_step(seqs, num_slots=4, page_size=16, buckets=StepBuckets(max_tokens=8, max_seqs=4 // replicas),
+                      replicas=replicas)
+
+
+def test_one_replica_fills_the_first_rows_of_each_array():
+    b = _step(1, (3, 1))
+    assert b.shape == (4, 2)
+    assert b.tokens.tolist() == [0, 5, 6, 7] and b.token_slots.tolist() == [3, -1, -1, -1]
+    assert b.meta.positions.tolist() == [10, 0, 1, 2] and b.token_seq_slots.tolist() == [3, 1, 1, 1]
+    assert b.meta.kv_lens.tolist() == [11, 3, 0, 0] and b.seq_slots.tolist() == [3, 1, 0, 0]
+    assert b.meta.query_start.tolist() == [0, 1, 4, 4, 4] and b.meta.num_seqs.tolist() == [2]
+    assert b.logits_indices.tolist() == [0, 3, 0, 0] and b.rows.tolist() == [0, 1]
+    assert b.sample_positions.tolist() == [11, 3] and b.sample_slots.tolist() == [3, 4]
+    assert b.num_tokens == 4
+
+
+def test_two_replicas_deal_sequences_by_slot():
+    b = _step(2, (3, 2))  # slot 3 to replica 1, slot 2 to replica 0
+    assert b.shape == (8, 2)  # per replica: 4 tokens, 1 sampling row
+    assert b.tokens.tolist() == [5, 6, 7, 0, 0, 0, 0, 0] and b.token_slots.tolist() == [-1, -1, -1, -1, 3, -1, -1, -1]
+    assert b.meta.positions.tolist() == [0, 1, 2, 0, 10, 0, 0, 0]
+    assert b.token_seq_slots.tolist() == [2, 2, 2, -1, 3, -1, -1, -1]
+    assert b.meta.kv_lens.tolist() == [3, 0, 11, 0] and b.seq_slots.tolist() == [2, 0, 3, 0]
+    assert b.meta.query_start.tolist() == [0, 3, 3, 0, 1, 1] and b.meta.num_seqs.tolist() == [1, 1]
+    assert b.logits_indices.tolist() == [2, 0, 4, 0] and b.rows.tolist() == [1, 0]
+    assert b.sample_positions.tolist() == [3, 11] and b.sample_slots.tolist() == [4, 3]
