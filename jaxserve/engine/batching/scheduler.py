@@ -350,9 +350,8 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens = request.num_computed_tokens + n
             if request in sampling:
-                pending = request.num_pending_tokens = request.num_pending_tokens + (n if multi else 1)
-                request.stopping = (request.num_prompt_tokens + len(request.output_token_ids) + pending
-                                    >= request.max_num_tokens)
+                request.num_pending_tokens += n if multi else 1
+                request.stopping = computed + 1 >= request.max_num_tokens  # all its tokens computed but the one sampled
             if caching and computed // page_size > request.num_cached_pages:  # a page filled (a few a step)
                 schedule.cached_pages += self.prefix.record(request)  # forgotten if the step fails
                 if computed // page_size > request.num_cached_pages:
