@@ -1,8 +1,6 @@
 """build_step's arrays, worked out by hand: one replica (each array's first rows), and two (each
 replica's slice padded on its own)."""
 
-import numpy as np
-
 from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step
 
 
