@@ -84,7 +84,7 @@ class BlockManager:
     def can_allocate(self, n: int, keeping: Sequence[int] = ()) -> bool:
         """Whether n new pages can be had while the pages in `keeping` (about to gain a reader)
         stay out of the eviction."""
-        kept = sum(1 for p in keeping if p in self._evictable)
+        kept = sum(1 for p in keeping if p in self._evictable) if keeping else 0
         return n <= len(self._free) + len(self._evictable) - kept
 
     def allocate(self, n: int, group: int = 0) -> list[int]:

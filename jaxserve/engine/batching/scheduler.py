@@ -235,7 +235,8 @@ class Scheduler:
     def _add_pages(self, request: Request, total: int, preempted: list[Request]) -> None:
         """Gives a running request the pages its `total` tokens need, preempting the newest
         (maybe itself) while the pool is short."""
-        needed = self.kv.pages_to_add([len(t) for t in request.pages], request.num_computed_tokens, total)
+        lengths = [len(t) for t in request.pages]
+        needed = self.kv.pages_to_add(lengths, request.num_computed_tokens, total)
         while needed > 0 and not self.blocks.can_allocate(needed):
             victim = self.running[-1]
             self._preempt(victim)
@@ -243,12 +244,12 @@ class Scheduler:
             if victim is request:
                 return
         if needed > 0:
-            self._grow(request, total)
+            self._grow(request, total, lengths)
 
-    def _grow(self, request: Request, end: int) -> None:
+    def _grow(self, request: Request, end: int, lengths: list[int] | None = None) -> None:
         """Gives a running request the pages its first `end` tokens need (they must be free), and
-        records its new block-table entries for the device."""
-        lengths = [len(t) for t in request.pages]
+        records its new block-table entries for the device (from `lengths`, its tables' lengths)."""
+        lengths = [len(t) for t in request.pages] if lengths is None else lengths
         self.kv.grow(request, end)
         self.table.write_pages(request.slot, request, lengths)
 
