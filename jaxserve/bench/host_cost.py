@@ -34,20 +34,27 @@ VOCAB = 1024
 
 
 def tiny_engine(sequences: int, context: int, steps: int, max_model_len: int, layers: int, hidden: int,
-                decode_steps: int = 1) -> Engine:
+                decode_steps: int = 1, sliding_window: int | None = None) -> Engine:
     """A random Llama of `layers` x `hidden` with a context of `max_model_len`, and a KV pool that
     holds `sequences` sequences of `4 context + steps` tokens (the first ones decode while the last
     ones prefill), and one of max_model_len, as the engine asks. Its steps run up to 4 tokens per
-    sequence, so that the prompts are in within a few hundred steps."""
+    sequence, so that the prompts are in within a few hundred steps. With `sliding_window`, five
+    layers in six see only that window, as in Gemma 3 (six KV-cache groups, five of them sliding)."""
+    windows = None if sliding_window is None else tuple(
+        None if (i + 1) % 6 == 0 else sliding_window for i in range(layers))
     cfg = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
-                      max_position_embeddings=max_model_len, eos_token_ids=(2,))
+                      max_position_embeddings=max_model_len, eos_token_ids=(2,), layer_windows=windows)
     rng = np.random.default_rng(0)
     weights = {name: (rng.standard_normal(shape) * 0.05 + (1.0 if "norm" in name else 0.0)).astype(np.float32)
                for name, shape in expected_shapes(cfg).items()}
-    pages = max(sequences * (-(-(4 * context + steps + 1) // 16) + 1), max_model_len // 16 + 1) + 1
+    budget = max(256, 4 * sequences)
+    per_sequence = -(-(4 * context + steps + 1) // 16) + 1
+    if sliding_window is not None:  # each sliding group holds the window and what a step can reach
+        per_sequence += 5 * (-(-(sliding_window + budget) // 16) + 1)
+    pages = max(sequences * per_sequence, max_model_len // 16 + 1) + 1
     several = {"decode_steps": decode_steps} if decode_steps > 1 else {}  # older commits lack the field
-    config = EngineConfig(max_slots=sequences, num_pages=pages, max_num_batched_tokens=max(256, 4 * sequences),
+    config = EngineConfig(max_slots=sequences, num_pages=pages, max_num_batched_tokens=budget,
                           dtype="float32", max_model_len=max_model_len, **several)
     return Engine(cfg, weights, None, config, model_name=f"random llama {layers}x{hidden}")
 
@@ -126,6 +133,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps (this commit's)")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                   help="five layers in six attend to the last W tokens only, as in Gemma 3 (W 512 there)")
     p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of the timed steps, per "
                    "configuration in DIR/SEQUENCES-MAX_MODEL_LEN")
     p.add_argument("--breakdown", action="store_true", help="also the CPU ms of each phase of a step (means)")
@@ -142,7 +151,7 @@ def main(argv=None) -> None:
         return
     (max_model_len, n), = configs
     engine = tiny_engine(n, args.context, args.steps * args.decode_steps, max_model_len, args.layers, args.hidden,
-                         args.decode_steps)
+                         args.decode_steps, args.sliding_window)
     row = measure(engine, n, args.context, args.steps, args.trace and f"{args.trace}/{n}-{max_model_len}",
                   args.breakdown)
     print(f"| {max_model_len} | {n} | {row['cpu_ms']:.2f} | {row['wall_ms']:.1f} | {row['tokens_per_call']:.2f} |",

@@ -94,7 +94,12 @@ class KVCacheManager:
     def drop_out_of_window(self, request: Request) -> list[tuple[int, int]]:
         """Frees the pages each sliding group's window has left behind (oldest first, so they are
         evicted first); returns the (group, index) entries that became the null page. Entries
-        before the window are the null page already, so the scan stops at the first one."""
+        before the window are the null page already, so the scan stops at the first one. Sets
+        `request.next_window_drop`: until it has computed that many tokens, no window leaves a
+        page behind (the scheduler skips it)."""
+        computed, page_size = request.num_computed_tokens, self.page_size
+        request.next_window_drop = min(((first_in_window(w, computed, page_size) + 1) * page_size + w - 1
+                                        for w in self.windows if w is not None), default=1 << 62)
         nulled = []
         for g, (window, table) in enumerate(zip(self.windows, request.pages)):
             if window is None:
@@ -114,7 +119,7 @@ class KVCacheManager:
         """Frees every page of the request, each group's tail first (evicted before its head)."""
         for table in request.pages:
             self.blocks.free([p for p in reversed(table) if p])
-        request.pages, request.num_table_tokens = [], 0
+        request.pages, request.num_table_tokens, request.next_window_drop = [], 0, 0
 
     # ---- the prefix cache ----
 

@@ -53,6 +53,7 @@ class Request:
     slot: int | None = None
     pages: list[list[int]] = dataclasses.field(default_factory=list)  # per group: page ids, 0 out of its window
     num_table_tokens: int = 0  # the tokens every group's table reaches: past them a step needs new pages
+    next_window_drop: int = 0  # computed tokens at which a sliding window next leaves a page behind
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     stopping: bool = False

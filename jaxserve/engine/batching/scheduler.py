@@ -201,6 +201,8 @@ class Scheduler:
     def _drop_out_of_window(self) -> None:
         """Frees what sliding windows left behind."""
         for request in list(self.running):
+            if request.num_computed_tokens < request.next_window_drop:
+                continue  # its windows moved within their first page since the last drop (most steps)
             try:
                 dropped = self.kv.drop_out_of_window(request)
             except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
