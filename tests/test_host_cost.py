@@ -13,3 +13,11 @@ def test_the_breakdown_times_every_phase_of_a_step():
         assert phases[label] > 0, label  # each wrapped method ran in every timed step
     assert phases["other"] >= 0  # the timed phases are parts of the step, none counted twice
     assert row["tokens_per_call"] == 1.0
+
+
+def test_a_sliding_window_gives_gemma3s_groups_and_steps():
+    engine = host_cost.tiny_engine(sequences=2, context=20, steps=3, max_model_len=256, layers=6, hidden=32,
+                                   sliding_window=16)
+    assert engine.core.runner.kv_groups.windows == (None,) + (16,) * 5  # five sliding layers in six, one group each
+    row = host_cost.measure(engine, sequences=2, context=20, steps=3)
+    assert row["tokens_per_call"] == 1.0
