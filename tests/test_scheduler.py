@@ -277,6 +277,22 @@ def test_stop_ids_among_marks_exactly_the_ids_of_unfinished_requests():
     assert not stops.among(tokens).any()
 
 
+def test_a_page_filled_while_its_last_token_is_on_the_device_is_cached_at_the_next_commit():
+    """Steps overlapping: the decode that fills page 0 runs before the token it computes (the
+    prompt's sampled one) reaches the host, so the page is recorded in the prefix cache when it does."""
+    sched, _, _ = make(caching=True)
+    sched.add(req("a", 3, max_tokens=6))
+    prefill = sched.schedule()
+    sched.advance(prefill)
+    decode = sched.schedule()
+    sched.advance(decode)  # computed 4 tokens: page 0 is full, its last token still pending
+    a = prefill.admitted[0]
+    probe = Request("b", [1, 2, 3, 10, 11], SamplingParams(), seed=0, arrival_time=0.0)
+    assert a.num_cached_pages == 0 and sched.prefix.hits(probe)[0] == 0
+    sched.commit(prefill, np.array([10]))
+    assert a.num_cached_pages == 1 and sched.prefix.hits(probe)[0] == 1
+
+
 def test_a_chunk_that_does_not_finish_the_prompt_samples_nothing():
     sched, _, _ = make(num_pages=33, max_model_len=32, budget=4)
     sched.add(req("a", 6))

@@ -165,8 +165,7 @@ class EngineCore:
         token_ids = [PENDING if r.num_pending_tokens else (r.output_token_ids or r.prompt_token_ids)[-1]
                      for r in decodes]  # a decode runs the sequence's last token
         for r, start in zip(chunks, starts[len(decodes):]):
-            n = schedule.num_tokens[r]
-            token_ids += [PENDING] if n == 1 and r.num_pending_tokens else r.token_ids(start, start + n)
+            token_ids += r.token_ids(start, start + schedule.num_tokens[r])
         counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(requests))
         samples = np.ones(len(requests), bool)
         samples[len(decodes):] = [r in schedule.sampling for r in chunks]

@@ -37,11 +37,15 @@ class PrefixCache:
         for h in hashes:
             self._computing.setdefault(h, request)
 
+    def behind(self, request: Request) -> bool:
+        """Whether the request has computed a full page that is not recorded yet."""
+        return self.blocks.enable_caching and \
+            request.num_computed_tokens // self.blocks.page_size > request.num_cached_pages
+
     def record(self, request: Request) -> list[int]:
         """Records the request's pages that are now full of computed tokens known on the host;
         returns them."""
-        if not self.blocks.enable_caching or request.num_computed_tokens // self.blocks.page_size <= \
-                request.num_cached_pages:
+        if not self.behind(request):
             return []  # no page filled since (the common case)
         known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
         full = known // self.blocks.page_size

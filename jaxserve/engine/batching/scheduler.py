@@ -357,7 +357,7 @@ class Scheduler:
                 request.stopping = computed + 1 >= request.max_num_tokens  # all its tokens computed but the one sampled
             if caching and computed // page_size > request.num_cached_pages:  # a page filled (a few a step)
                 schedule.cached_pages += self.prefix.record(request)  # forgotten if the step fails
-                if computed // page_size > request.num_cached_pages:
+                if self.prefix.behind(request):  # its last token is on the device: at the next commit
                     self._unrecorded[request] = None
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
@@ -386,12 +386,11 @@ class Scheduler:
             else:
                 request.num_pending_tokens -= 1
                 request.output_token_ids.append(token)
-        if self._unrecorded:
-            page_size = self.blocks.page_size
-            for request in [r for r in self._unrecorded if not r.finished]:
+        for request in list(self._unrecorded):
+            if not request.finished:
                 self.prefix.record(request)
-            self._unrecorded = {r: None for r in self._unrecorded
-                                if not r.finished and r.num_computed_tokens // page_size > r.num_cached_pages}
+            if request.finished or not self.prefix.behind(request):
+                del self._unrecorded[request]
         return finished
 
     def _commit_row(self, request: Request, tokens: list[int], logprobs: dict | None, now: float) -> bool:
