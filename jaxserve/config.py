@@ -7,6 +7,7 @@ import dataclasses
 from jaxserve.engine.batching.policies import STRATEGIES
 
 DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = (None, "int8", "w8a8", "auto")  # jaxserve.model.quantization; "auto": measured here
 BACKENDS = ("auto", "pallas", "reference")  # "auto" and pallas_kernels.IMPLEMENTATIONS (jax-free here)
 
 
@@ -31,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "auto"  # weights; "auto": what fits the machine (`jaxserve.worker.machine`)
     kv_cache_dtype: str = "auto"  # the KV pool; "auto": the weights' dtype
+    # int8 weights, read in `dtype` ("int8") or with int8 activations ("w8a8"); "auto": whichever
+    # of None, int8 and w8a8 decodes fastest on this machine (`jaxserve.worker.quantization_plan`)
+    quantization: str | None = None
     attention_backend: str = "auto"
     seed: int = 0
     batch_size: int = 8  # dynamic batching: close a batch at this many requests ...
@@ -53,6 +57,8 @@ class EngineConfig:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0):

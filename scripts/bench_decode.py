@@ -26,6 +26,7 @@ for greedy, a temperature, and the top-k, top-p and min-p cuts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import time
@@ -230,6 +231,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
     p.add_argument("--dtypes", default="float32,auto")
+    p.add_argument("--quantizations", default="none", help="comma-separated: none, int8, w8a8, auto")
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--context", type=int, default=128, help="tokens each sequence holds")
     p.add_argument("--reps", type=int, default=10)
@@ -266,13 +268,15 @@ def main(argv=None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     print("\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
     print("|---|---|---|---|---|---|---|---|")
-    for dtype in args.dtypes.split(","):
+    for dtype, quantization in itertools.product(args.dtypes.split(","), args.quantizations.split(",")):
         engine = Engine.from_pretrained(args.model, EngineConfig(
             dtype=dtype, max_slots=max(batches), max_num_batched_tokens=max(256, max(batches)),
-            max_model_len=max(512, args.context + 1),
+            max_model_len=max(512, args.context + 1), quantization=None if quantization == "none" else quantization,
             num_pages=1 + GROUPS * max(batches) * -(-args.context // 16)))
         peak = peak32 if engine.runner.dtype == "float32" else peak16
         label = f"{dtype}: {'/'.join(sorted(engine.runner.states))}"  # "auto" may mix dtypes per bucket
+        if engine.runner.quant is not None:
+            label += f", {engine.runner.quant.mode} weights"
         for b in batches:
             seconds = decode_step_time(engine, b, args.context, args.reps)
             flops, nbytes = step_cost(engine, b, args.context)

@@ -85,8 +85,14 @@ RULES: dict[str, str | None] = {
 # Logical axes of the model's parameters, by the last two names of their nnx path.
 MODEL_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
+    "embed_scales": ("vocab", "embed"),  # int8 weights' scales lie like their weights (`model.quantization`)
     "lm_head": ("embed", "vocab"),
+    "lm_head_scales": ("embed", "vocab"),
     "attn.qkv": ("embed", "qkv"),
+    "attn.qkv_scale": ("embed", "qkv"),
+    "attn.out_scale": ("heads", "embed"),
+    "mlp.gate_up_scale": ("embed", "gate_up"),
+    "mlp.down_scale": ("mlp", "embed"),
     "attn.qkv_bias": ("qkv",),
     "attn.out": ("heads", "embed"),
     "mlp.gate_up": ("embed", "gate_up"),

@@ -93,11 +93,14 @@ class Engine:
         config, runner = self.config, self.runner
         device = jax.devices()[0]
         pool_bytes = sum(x.nbytes for x in runner.kv_pool)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.states))
+        quantized = "not quantized" if runner.quant is None else runner.quant.describe()
         buckets = runner.buckets
         return "\n".join([
             f"model {self.model_name}: {self.model_config.num_layers} layers, vocab {self.model_config.vocab_size}",
             f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}",
-            f"weights {'/'.join(sorted(runner.states))} ({self.reasons.weights}); KV cache {config.kv_dtype}",
+            f"weights {'/'.join(sorted(runner.states))} ({self.reasons.weights}), {quantized} "
+            f"({self.reasons.quantization}): {weight_bytes / 2**30:.2f} GiB; KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
             f"({'num_pages asked for' if config.num_pages else self.reasons.kv_budget}); "
             f"max_model_len {self.max_model_len} ({self.reasons.max_model_len})",

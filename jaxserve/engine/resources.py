@@ -15,17 +15,20 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import QUANTIZATIONS, EngineConfig
 from jaxserve.distributed.sharding import kv_heads_per_memory, make_mesh
 from jaxserve.engine.batching.kv_cache_manager import pages_per_sequence
 from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root
+from jaxserve.model.quantization import GROUP, Int8Dot, block_rows
 from jaxserve.model.transformer import Transformer
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.worker.kv_pool import pages_in_budget
-from jaxserve.worker.machine import auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions
+from jaxserve.worker.quantization_plan import auto_quantization
+from jaxserve.worker.machine import (INT8_FLAGS, auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions,
+                                     int8_dot_instructions)
 from jaxserve.worker.runner import Runner, RunnerConfig
 from jaxserve.worker.step_batch import StepBuckets
 
@@ -39,18 +42,20 @@ class Reasons:
     kv_budget: str
     max_model_len: str
     weights: str
+    quantization: str
 
 
-INHERITED = Reasons(*["the engine it was made from"] * 3)  # an engine over another's runner
+INHERITED = Reasons(*["the engine it was made from"] * 4)  # an engine over another's runner
 
 
 def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backend: str) -> tuple[Runner, Reasons]:
     """The model on the device, then a KV pool in the memory it leaves, and their runner; with
     why the pool has its size, max_model_len its value, and the weights their dtype."""
-    model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype))  # on the device now
+    mesh = make_mesh(config.mesh) if config.mesh else None
+    quant, quant_reason = resolve_quantization(config, model_config, mesh)
+    model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype), quant=quant)  # on the device now
     kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
                         else auto_kv_cache_bytes(config.gpu_memory_utilization))
-    mesh = make_mesh(config.mesh) if config.mesh else None
     heads = kv_heads_per_memory(mesh, model_config) if mesh else model_config.num_kv_heads
     share = Fraction(heads, model_config.num_kv_heads)  # of the pool's bytes, in the fullest memory
     if share != 1:
@@ -70,7 +75,7 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backe
         num_logprobs=MAX_LOGPROBS, decode_steps=config.decode_steps, kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled"),
         program_dtypes=plan.programs() if plan else (), min_rows=plan.min_rows if plan else None),
         mesh=mesh, other=other)
-    return runner, Reasons(reason, why, weights_reason)
+    return runner, Reasons(reason, why, weights_reason, quant_reason)
 
 def _dtype_per_program(config: EngineConfig, model_config: ModelConfig, model: Transformer, weights, budget: int,
                        mesh) -> tuple[Transformer, Transformer | None, DtypePlan | None, str]:
@@ -79,6 +84,8 @@ def _dtype_per_program(config: EngineConfig, model_config: ModelConfig, model: T
     there (`jaxserve.worker.dtype_plan`); else every program in the loaded dtype."""
     if config.dtype != "auto":
         return model, None, None, "asked for"
+    if model.quant is not None:  # one copy of the weights, in int8
+        return model, None, None, auto_weights_dtype()[1]
     reason = auto_weights_dtype()[1]
     if jax.default_backend() != "cpu" or mesh is not None or bf16_dot_instructions():
         return model, None, None, reason
@@ -92,6 +99,25 @@ def _dtype_per_program(config: EngineConfig, model_config: ModelConfig, model: T
     if config.weights_dtype not in plan.dtypes():  # every program in the other dtype
         return other, None, plan, reason
     return model, other, plan, reason
+
+
+def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) -> tuple[Int8Dot | None, str]:
+    """How the model's dots read int8 weights (None: float weights), and why. w8a8 asked for on a
+    CPU without int8 dot instructions is a ValueError; "auto" never fails."""
+    mode, reason = config.quantization, "asked for" if config.quantization else "the default"
+    cpu = jax.default_backend() == "cpu"
+    if mode == "auto":
+        rows = 2 if cpu and config.weights_dtype == "bfloat16" else 1  # the runner's smallest bucket
+        mode, reason = auto_quantization(model_config, config.weights_dtype, rows,
+                                         os.path.join(cache_root(), "quantization_plans.json"))
+    if mode is None:
+        return None, reason
+    if mode == "w8a8" and cpu and not int8_dot_instructions():
+        raise ValueError(f"quantization='w8a8' needs int8 dot instructions, which this CPU lacks "
+                         f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
+    # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
+    rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
+    return Int8Dot(mode, config.weights_dtype, rows, GROUP if mode == "int8" else None), reason
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:

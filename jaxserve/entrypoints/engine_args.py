@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import Any, Callable
 
-from jaxserve.config import BACKENDS, DTYPES, EngineConfig
+from jaxserve.config import BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
 from jaxserve.engine.batching.policies import STRATEGIES
 
 
@@ -21,6 +21,10 @@ def _mesh(text: str) -> dict[str, int]:
         return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
     except ValueError:
         raise argparse.ArgumentTypeError(f"--mesh must look like data=2,model=4, got {text!r}") from None
+
+
+def _quantization(text: str) -> str | None:
+    return None if text == "none" else text
 
 
 def _mib(text: str) -> int:
@@ -58,6 +62,9 @@ _OPTIONS = (
     _Option("--max-model-len", "max_model_len", "context length (default: the model's, or the longest the KV pool holds)"),
     _Option("--dtype", "dtype", "weights (auto: bfloat16 where the machine has fast bfloat16 dots, else float32)", str, DTYPES),
     _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
+    _Option("--quantization", "quantization", "int8 weights: int8 (read in --dtype), w8a8 (int8 activations "
+            "too, where the machine has int8 dots), auto (the fastest here), or none", _quantization,
+            QUANTIZATIONS),
     _Option("--max-num-batched-tokens", "max_num_batched_tokens", "token budget of one step"),
     _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", on_off),
     _Option("--prefix-caching", "enable_prefix_caching", "share prompts' common leading pages (on/off)", on_off),

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.paged_attention import NO_WINDOW, Attend, StepMetadata, for_group, write_kv
+from jaxserve.model.quantization import Int8Dot
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -31,6 +32,16 @@ def dense_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
     XLA:CPU convert and copy the whole matrix (10x slower for a tied 262k-row embedding)."""
     return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, quant: Int8Dot | None) -> jax.Array:
+    """x @ w in float32, w a float matrix or (with `quant`) an int8 one with its column scales."""
+    return dense(x, w) if quant is None else quant.dense(x, w, scale)
+
+
+def _scale(weights, name: str):
+    """The column scales of a quantized matrix as a parameter, or None for a float one."""
+    return nnx.Param(weights[name + "_scale"]) if name + "_scale" in weights else None
 
 
 class RMSNorm(nnx.Module):
@@ -118,19 +129,22 @@ def _rope_sets(cfg: ModelConfig) -> tuple[list[tuple[float, bool]], list[int]]:
 class MLP(nnx.Module):
     """Gated MLP with gate and up fused into one matmul: down(act(x W_g) * (x W_u))."""
 
-    def __init__(self, gate_up: jax.Array, down: jax.Array, activation: str):
-        self.gate_up = nnx.Param(gate_up)  # [D, F 2]: gate and up interleaved per unit
-        self.down = nnx.Param(down)  # [F, D]
+    def __init__(self, weights: dict[str, jax.Array], activation: str, quant: Int8Dot | None = None):
+        self.gate_up = nnx.Param(weights["gate_up"])  # [D, F 2]: gate and up interleaved per unit
+        self.down = nnx.Param(weights["down_proj"])  # [F, D]
+        self.gate_up_scale, self.down_scale = _scale(weights, "gate_up"), _scale(weights, "down_proj")
         self.activation = activation
+        self.quant = quant
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        both = dense(x, self.gate_up[...]).reshape(*x.shape[:-1], -1, 2)  # [..., F, 2]
+        both = project(x, self.gate_up[...], _value(self.gate_up_scale), self.quant)
+        both = both.reshape(*x.shape[:-1], -1, 2)  # [..., F, 2]
         gate, up = both[..., 0], both[..., 1]
         if self.activation == "silu":
             gate = jax.nn.silu(gate)
         else:
             gate = jax.nn.gelu(gate, approximate=True)
-        return dense(gate * up, self.down[...])
+        return project(gate * up, self.down[...], _value(self.down_scale), self.quant)
 
 
 class Attention(nnx.Module):
@@ -139,11 +153,14 @@ class Attention(nnx.Module):
     between layers (window, RoPE frequencies, the pool slice) comes in as arrays, so one traced
     layer serves every layer of a scan."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, jax.Array], norm_eps: float):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, jax.Array], norm_eps: float,
+                 quant: Int8Dot | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nnx.Param(weights["qkv"])  # [D, N (G + 2) K], grouped per kv head
         self.qkv_bias = nnx.Param(weights["qkv_bias"]) if "qkv_bias" in weights else None
         self.out = nnx.Param(weights["o_proj"])  # [H K, D]
+        self.qkv_scale, self.out_scale = _scale(weights, "qkv"), _scale(weights, "o_proj")
+        self.quant = quant
         self.q_norm = RMSNorm(weights["q_norm"], norm_eps) if "q_norm" in weights else None
         self.k_norm = RMSNorm(weights["k_norm"], norm_eps) if "k_norm" in weights else None
         self.scale = cfg.scale
@@ -153,7 +170,7 @@ class Attention(nnx.Module):
         """x: [T, D]; kv: (k [N, P, M, S, K], v); rope: the step's `rope_tables`. Returns ([T, D], kv)."""
         t = x.shape[0]
         h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x, self.qkv[...])
+        qkv = project(x, self.qkv[...], _value(self.qkv_scale), self.quant)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         qkv = qkv.reshape(t, n, h // n + 2, k)  # per kv head: its query heads, then k, then v
@@ -167,4 +184,8 @@ class Attention(nnx.Module):
         k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping, layer.index)
         out = attend(q, k_pool, v_pool, layer.index, meta, sm_scale=self.scale, sliding_window=layer.window,
                      soft_cap=self.soft_cap)
-        return dense(out.reshape(t, h * k), self.out[...]), (k_pool, v_pool)
+        return project(out.reshape(t, h * k), self.out[...], _value(self.out_scale), self.quant), (k_pool, v_pool)
+
+
+def _value(param):
+    return None if param is None else param[...]

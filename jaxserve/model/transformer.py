@@ -27,20 +27,22 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (MLP, Attention, LayerConstants, RMSNorm, dense, dense_transposed,
                                   rope_frequencies, rope_tables)
 from jaxserve.model.paged_attention import Attend, StepMetadata
+from jaxserve.model.quantization import Int8Dot, quantize
 from jaxserve.model.weights import check_weights
 
 KVPool = tuple  # (k [N, P, M, S, K], v [N, P, M, S, K])
+MATRICES = ("qkv", "o_proj", "gate_up", "down_proj")  # a layer's (fused) matrices, [in, out]
 
 
 class DecoderLayer(nnx.Module):
     """One decoder layer; built from stacked weights [L, ...], it holds every layer's parameters."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, jax.Array]):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, jax.Array], quant: Int8Dot | None = None):
         eps = cfg.rms_norm_eps
         self.attn_norm = RMSNorm(w["attn_norm"], eps)
-        self.attn = Attention(cfg, w, eps)
+        self.attn = Attention(cfg, w, eps, quant)
         self.mlp_norm = RMSNorm(w["mlp_norm"], eps)
-        self.mlp = MLP(w["gate_up"], w["down_proj"], cfg.activation)
+        self.mlp = MLP(w, cfg.activation, quant)
         # Gemma's sandwich norms: outputs of attention and MLP are normalized again.
         self.post_attn_norm = RMSNorm(w["post_attn_norm"], eps) if "post_attn_norm" in w else None
         self.post_mlp_norm = RMSNorm(w["post_mlp_norm"], eps) if "post_mlp_norm" in w else None
@@ -58,23 +60,35 @@ class DecoderLayer(nnx.Module):
 
 class Transformer(nnx.Module):
     """Decoder built from canonical weights (see `jaxserve.model.weights`). Matrices are kept in
-    `dtype`; norms, biases and the activations between layers are float32."""
+    `dtype`, or with `quant` in int8 with float32 column scales, the activations' dtype being
+    `dtype` (`jaxserve.model.quantization`); norms, biases and the activations between layers are
+    float32."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
-                 source: str = "weights"):
+                 source: str = "weights", quant: Int8Dot | None = None):
         check_weights(cfg, weights, source)
         self.cfg = cfg
+        self.dtype = jnp.dtype(dtype).name  # of the matrices, or of the activations int8 ones are read in
+        self.quant = quant
         # Fusing and stacking run where the weights are: numpy arrays on the host, each result then
         # moved to the device once (op by op on the device, the load took seconds longer, most
         # of it after the constructor returned); jax.Arrays (a sharded restore) on their devices.
         xp = jnp if any(isinstance(w, jax.Array) for w in weights.values()) else np
         put = jax.device_put  # a transfer; jnp.asarray would compile a copy program per shape
-        self.embed = nnx.Param(put(xp.asarray(weights["embed"], dtype)))  # [V, D]
-        self.lm_head = None if cfg.tie_embeddings else nnx.Param(put(xp.asarray(weights["lm_head"], dtype)))
+        stored = jnp.float32 if quant else dtype  # quantized from float32
+        embed, embed_scales = _matrix(weights["embed"], 0, dtype, quant, xp)
+        self.embed = nnx.Param(embed)  # [V, D]
+        self.embed_scales = None if embed_scales is None else nnx.Param(embed_scales)  # [V, D / group]
+        lm_head, lm_head_scales = (None, None) if cfg.tie_embeddings else \
+            _matrix(weights["lm_head"], 1, dtype, quant, xp)
+        self.lm_head = None if lm_head is None else nnx.Param(lm_head)  # [D, V]
+        self.lm_head_scales = None if lm_head_scales is None else nnx.Param(lm_head_scales)  # [D / group, V]
         self.final_norm = RMSNorm(put(xp.asarray(weights["final_norm"], jnp.float32)), cfg.rms_norm_eps)
-        per_layer = [_layer_weights(cfg, weights, i, dtype, xp) for i in range(cfg.num_layers)]
-        self.layers = DecoderLayer(cfg, {name: put(as_bits(xp.stack([w[name] for w in per_layer])))
-                                         for name in per_layer[0]})
+        per_layer = [_layer_weights(cfg, weights, i, stored, xp) for i in range(cfg.num_layers)]
+        stacked = {name: xp.stack([w[name] for w in per_layer]) for name in per_layer[0]}
+        for name in MATRICES if quant else ():  # [L, in, out], contracted along `in`
+            stacked[name], stacked[name + "_scale"] = quantize(stacked[name], 1, quant.group, xp)
+        self.layers = DecoderLayer(cfg, {name: put(as_bits(w)) for name, w in stacked.items()}, quant)
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
         """tokens: [T] int32; logits_indices: [R] tokens whose logits to return (None: all).
@@ -85,7 +99,8 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, rows=None):
         """The layers: tokens [T] int32 -> (final hidden states [R or T, D] float32 of the tokens
         `rows` [R] (None: all), new kv_pool)."""
-        x = self.embed[...][tokens].astype(jnp.float32)  # [T, D]
+        x = self.embed[...][tokens].astype(jnp.float32) if self.quant is None else \
+            self.quant.embedding(self.embed[...], self.embed_scales[...], tokens)  # [T, D]
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         graphdef, stacked = nnx.split(self.layers)
@@ -103,11 +118,27 @@ class Transformer(nnx.Module):
     def logits(self, x):
         """The output layer: hidden states [R, D] float32 -> logits [R, V] float32."""
         x = self.final_norm(x)
-        logits = dense_transposed(x, self.embed[...]) if self.lm_head is None else dense(x, self.lm_head[...])
+        if self.quant is not None:
+            tied = self.lm_head is None
+            weights, scales = (self.embed, self.embed_scales) if tied else (self.lm_head, self.lm_head_scales)
+            logits = self.quant.output_layer(x, weights[...], scales[...], tied)
+        elif self.lm_head is None:
+            logits = dense_transposed(x, self.embed[...])
+        else:
+            logits = dense(x, self.lm_head[...])
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)
         return logits
+
+
+def _matrix(w, vocab: int, dtype, quant: Int8Dot | None, xp):
+    """(matrix, None) in `dtype` on the device; with `quant`, (int8 matrix, its scales), the
+    matrix having the vocabulary along axis `vocab` and being contracted along the other."""
+    if quant is None:
+        return jax.device_put(xp.asarray(w, dtype)), None
+    q, scales = quantize(w, 1 - vocab, quant.group, xp)
+    return jax.device_put(q), jax.device_put(scales)
 
 
 # XLA:CPU slices a bfloat16 array through float32 and hoists the conversion of the whole stack out

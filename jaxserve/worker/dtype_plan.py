@@ -121,14 +121,14 @@ def plan_for(cfg: ModelConfig, token_sizes, row_sizes, primary: str, cache_file:
     fits in a quarter of the host's available memory."""
     measure = measure or measure_dots
     key = _key(cfg, token_sizes, row_sizes)
-    saved = _read(cache_file)
+    saved = read_timings(cache_file)
     timings = saved.get(key)
     if not _complete(timings, token_sizes, row_sizes):
         start = time.perf_counter()
         timings = measure(cfg, token_sizes, row_sizes)
         log.info("timed the dots of %d buckets in both dtypes in %.1f s", len(token_sizes) + len(row_sizes),
                  time.perf_counter() - start)
-        _write(cache_file, {**saved, key: timings})
+        write_timings(cache_file, {**saved, key: timings})
     as_ints = lambda table: {int(size): dict(times) for size, times in table.items()}  # noqa: E731 (JSON keys)
     mixed = DtypePlan(primary, as_ints(timings["forward"]), as_ints(timings["sample"]))
     if mixed.dtypes() == {primary}:
@@ -152,7 +152,7 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
     most `MAX_TIMED_BYTES` of them, so that they stream from memory as a step's do, and fewer
     where a run would pass `MAX_TIMED_FLOPS` (the dots are compute-bound there); each time is
     then scaled to the whole model."""
-    d, layer = cfg.hidden_size, _layer_matrices(cfg)
+    d, layer = cfg.hidden_size, layer_matrices(cfg)
     per_layer = sum(a * b for a, b in layer)
     most = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * per_layer)))
     vocab = min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d))
@@ -207,7 +207,7 @@ def _best_ms(program, weights, reps: int) -> float:
     return best * 1e3
 
 
-def _layer_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
+def layer_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
     """The shapes of a layer's qkv, o, gate/up and down matrices."""
     d, h = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     return [(d, h + 2 * cfg.num_kv_heads * cfg.head_dim), (h, d), (d, 2 * cfg.intermediate_size),
@@ -216,7 +216,7 @@ def _layer_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
 
 def _weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     """Bytes of the model's matrices in `dtype`: what a second copy of the weights costs."""
-    per_layer = sum(a * b for a, b in _layer_matrices(cfg))
+    per_layer = sum(a * b for a, b in layer_matrices(cfg))
     matrices = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     return matrices * jnp.dtype(dtype).itemsize
 
@@ -250,7 +250,7 @@ def _complete(timings, token_sizes, row_sizes) -> bool:
         return False
 
 
-def _read(path: str) -> dict:
+def read_timings(path: str) -> dict:
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -259,7 +259,7 @@ def _read(path: str) -> dict:
         return {}
 
 
-def _write(path: str, plans: dict) -> None:
+def write_timings(path: str, plans: dict) -> None:
     """Saves the timings (whole, or not at all); a folder that cannot be written costs a new
     measurement at the next start, never this one."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -269,6 +269,6 @@ def _write(path: str, plans: dict) -> None:
             json.dump(plans, f)
         os.replace(tmp, path)
     except OSError as e:
-        log.warning("the dtype timings could not be saved to %s: %s", path, e)
+        log.warning("the timings could not be saved to %s: %s", path, e)
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -17,6 +17,7 @@ import platform
 import jax
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # /proc/cpuinfo names (x86 flags, Arm features)
+INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm"})  # int8 dots, int32 sums
 
 
 def _cpuinfo(*keys: str) -> str | None:
@@ -41,6 +42,12 @@ def cpu_flags() -> frozenset[str]:
 def bf16_dot_instructions() -> list[str]:
     """The CPU's bfloat16 dot instruction sets among its flags (none: XLA emulates bfloat16 dots)."""
     return sorted(BF16_FLAGS & cpu_flags())
+
+
+def int8_dot_instructions() -> list[str]:
+    """The CPU's int8 dot instruction sets among its flags (w8a8 needs one: without, XLA's
+    integer dots are scalar loops)."""
+    return sorted(INT8_FLAGS & cpu_flags())
 
 
 def auto_async_scheduling() -> bool:

@@ -98,7 +98,8 @@ class Runner:
         state_def = jax.tree.structure(self.state)
         self.bodies = StepPrograms(graphdef, state_def, attend, self.replicas, config.page_size, config.max_slots,
                                    config.decode_steps, config.num_logprobs)
-        self.dtype = str(model.embed[...].dtype)
+        self.dtype = model.dtype
+        self.quant = model.quant  # int8 weights and how the dots read them, or None
         self.states = {self.dtype: tuple(jax.tree.leaves(self.state))}  # per dtype: the programs' flat weights
         if other is not None:
             if mesh is not None:
@@ -106,7 +107,7 @@ class Runner:
             leaves, other_def = jax.tree.flatten(nnx.split(other)[1])
             if other_def != state_def:
                 raise ValueError("the copy of the weights in another dtype is not laid out like the model's")
-            self.states[str(other.embed[...].dtype)] = tuple(leaves)
+            self.states[other.dtype] = tuple(leaves)
         self._program_dtype = dict(config.program_dtypes)
         missing = set(self._program_dtype.values()) - self.states.keys()
         if missing:
@@ -314,7 +315,7 @@ class Runner:
                   for x in jax.tree.leaves((self.states, self.kv_pool))]
         device = jax.devices()[0]
         return "\n".join(map(str, (
-            self.model_config, self.config, self.buckets, leaves, jax.__version__, device.platform,
+            self.model_config, self.config, self.quant, self.buckets, leaves, jax.__version__, device.platform,
             device.client.platform_version, device.device_kind, jax.device_count(),
             self.mesh and dict(self.mesh.shape), os.environ.get("XLA_FLAGS", ""),
             jax.config.jax_default_matmul_precision)))

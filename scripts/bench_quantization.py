@@ -1,0 +1,113 @@
+"""How far int8 weights move a model from its float weights: log-likelihood and next-token
+agreement over a fixed text, and greedy tokens on ten prompts.
+
+    python scripts/bench_quantization.py                     # Gemma 3 270M: int8 and w8a8 against bfloat16
+    python scripts/bench_quantization.py --dtype float32 --modes int8
+
+The text is the "Execution model" chapter of the Python Language Reference as CPython ships it
+(`pydoc_data.topics`, the same words on every machine with this Python): its first `--tokens`
+tokens. For each mode the model runs the whole text in one prefill (reference attention) and the
+output layer gives every position's scores. Printed per mode against the float model in `--dtype`:
+the text's log-likelihood (the sum of each next token's log-probability) and its relative
+difference; the share of positions whose top-1 token is the float model's; and, on ten prompts of
+32 greedy tokens, how many are equal to the float model's up to its first near tie (a top-2
+log-probability margin under 0.1, where float rounding alone may flip the choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydoc_data.topics
+from flax import nnx
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.model.kv_groups import kv_groups
+from jaxserve.model.loader import load_model
+from jaxserve.model.quantization import GROUP, Int8Dot, block_rows
+from jaxserve.model.transformer import Transformer
+from jaxserve.pallas_kernels.backend import attention_fn
+from jaxserve.worker.kv_pool import allocate_kv_pool
+from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step, table_metadata
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "Water boils at a temperature of", "The largest planet in the solar system",
+           "To make a cup of tea, first", "In 1492, Columbus", "The opposite of hot is", "SELECT name FROM users WHERE"]
+NEAR_TIE, TOKENS, PAGE, ROWS = 0.1, 32, 16, 256
+
+
+def text_scores(model: Transformer, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probability of each next token [n - 1], top-1 token at each position [n - 1])."""
+    n, groups = len(ids), kv_groups(model.cfg).num_groups
+    width = -(-n // PAGE)
+    tables = 1 + np.arange(groups * width, dtype=np.int32).reshape(1, groups, width)
+    step = build_step(StepSeqs.of([ScheduledSeq(0, 0, ids)]), 1, PAGE, StepBuckets(max_tokens=n, max_seqs=1))
+    meta = table_metadata(step.meta, tables, step.seq_slots, step.token_seq_slots, PAGE)
+    pool = allocate_kv_pool(model.cfg, 1 + groups * width, PAGE, jnp.float32)
+    hidden, _ = nnx.jit(lambda m, t, p, meta: m.hidden_states(t, p, meta, attend=attention_fn("reference")))(
+        model, jnp.asarray(step.tokens), pool, meta)
+    score = nnx.jit(lambda m, h, nxt: (jnp.take_along_axis(jax.nn.log_softmax(m.logits(h)), nxt[:, None], 1)[:, 0],
+                                       jnp.argmax(m.logits(h), axis=-1)))
+    logp, top = [], []
+    targets = np.asarray(ids[1:] + [0], np.int32)
+    for start in range(0, n, ROWS):
+        rows = np.arange(start, start + ROWS) % n  # the last chunk wraps round: cut below
+        lp, t = score(model, hidden[rows], jnp.asarray(targets[rows]))
+        logp.append(np.asarray(lp)), top.append(np.asarray(t))
+    return np.concatenate(logp)[:n - 1], np.concatenate(top)[:n - 1]
+
+
+def greedy(engine: Engine) -> list[list[tuple[int, float]]]:
+    """Per prompt, (token, top-2 margin) of each greedy step."""
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=2))
+    return [[(t, step["top"][0][1] - step["top"][1][1]) for t, step in zip(o.token_ids, o.logprobs)]
+            for o in outputs]
+
+
+def equal_to_first_near_tie(ref: list[tuple[int, float]], got: list[tuple[int, float]]) -> bool:
+    for (token, margin), (other, _) in zip(ref, got):
+        if margin < NEAR_TIE:
+            return True
+        if token != other:
+            return False
+    return True
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
+    p.add_argument("--dtype", default="bfloat16", help="the float model's, and the int8 modes' activations")
+    p.add_argument("--modes", default="int8,w8a8")
+    p.add_argument("--tokens", type=int, default=2000)
+    args = p.parse_args(argv)
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    print("CPU:", next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?"))
+    cfg, weights, tokenizer, name = load_model(args.model)
+    ids = tokenizer.encode(pydoc_data.topics.topics["execmodel"])[:args.tokens]
+    print(f"{name}; text: the first {len(ids)} tokens of the Python Language Reference's 'Execution model'")
+    modes = [None] + args.modes.split(",")
+    scores, tokens = {}, {}
+    for mode in modes:
+        quant = None if mode is None else Int8Dot(mode, args.dtype, block_rows(cfg.vocab_size, cfg.hidden_size),
+                                                   group=GROUP if mode == "int8" else None)
+        scores[mode] = text_scores(Transformer(cfg, weights, jnp.dtype(args.dtype), quant=quant), ids)
+        engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype=args.dtype, quantization=mode, max_slots=16,
+                                                              max_model_len=256, num_pages=1024), model_name=name)
+        tokens[mode] = greedy(engine)
+        del engine
+    ref_logp, ref_top = scores[None]
+    print(f"\n| weights | log-likelihood | vs {args.dtype} | top-1 agreement | greedy prompts equal to the first near tie |")
+    print("|---|---|---|---|---|")
+    for mode in modes:
+        logp, top = scores[mode]
+        same = sum(equal_to_first_near_tie(r, g) for r, g in zip(tokens[None], tokens[mode]))
+        print(f"| {mode or args.dtype} | {logp.sum():.1f} | {(logp.sum() - ref_logp.sum()) / abs(ref_logp.sum()):+.2%} "
+              f"| {np.mean(top == ref_top):.2%} | {same} of {len(PROMPTS)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
