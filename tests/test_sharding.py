@@ -63,6 +63,7 @@ def check_list(hf_llama: str, tmp: str) -> list[list[str]]:
     return ([["generate", shape] for shape in MESHES] +
             [["layouts"], ["replicated_kv"], ["generate", "2x4", "pallas", "16"],
              ["generate", "2x4", "reference", "8", "4"], ["generate", "2x4", "reference", "8", "4", "4"],
+             ["generate", "2x4", "reference", "8", "", "1", "int8"],
              ["bad_meshes"], ["from_disk", hf_llama, *MESHES],
              ["orbax", tmp]])
 
@@ -136,6 +137,14 @@ def test_several_decode_steps_per_dispatch_under_a_mesh(checks):
     assert got["tokens"] == expected and got["multi_steps"] > 0
 
 
+def test_int8_weights_and_their_scales_are_sharded_with_the_same_tokens(checks):
+    """int8 weights under a 2x4 mesh, each scale sharded like its weight: one device's tokens."""
+    from jaxserve import Engine
+    cfg = tiny_config()
+    expected = generate(Engine(cfg, tiny_weights(cfg), None, engine_config().replace(quantization="int8")))
+    assert run_check(checks, "generate", "2x4", "reference", "8", "", "1", "int8")["tokens"] == expected
+
+
 def test_bad_meshes_raise_clear_errors(checks):
     run_check(checks, "bad_meshes")
 
@@ -171,12 +180,17 @@ def test_orbax_save_then_restore_under_another_mesh(checks, reference_tokens):
 # ---- the checks, run in the subprocess ----
 
 def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", window: str = "",
-                   decode_steps: str = "1") -> dict:
+                   decode_steps: str = "1", quantization: str = "") -> dict:
     from jaxserve import Engine
     cfg = tiny_config(head_dim=int(head_dim), layer_windows=(int(window), None) if window else None)
     engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)).replace(
-        attention_backend=backend, decode_steps=int(decode_steps)))
+        attention_backend=backend, decode_steps=int(decode_steps), quantization=quantization or None))
     assert engine.runner.config.attention_backend == backend
+    if quantization:  # a scale lies like its weight: column-parallel scales split with their columns
+        attn, mlp = engine.runner.state["layers"]["attn"], engine.runner.state["layers"]["mlp"]
+        for weight, scale in ((attn["qkv"], attn["qkv_scale"]), (mlp["gate_up"], mlp["gate_up_scale"]),
+                              (attn["out"], attn["out_scale"])):
+            assert weight[...].dtype == "int8" and scale[...].sharding.spec == weight[...].sharding.spec
     tokens = generate(engine)
     before = engine.stats()["num_compiles"]
     assert generate(engine) == tokens

@@ -1,0 +1,200 @@
+"""int8 weights (jaxserve.model.quantization): the stored values and scales, the dots against a
+float64 numpy reference of the same int8 weights, whole models against the float model run on
+the weights the int8 ones stand for, the compiled programs (no full-size converted copy of a
+weight), the compile cache's key, and the errors and choices of `quantization=`."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.model import quantization
+from jaxserve.model.loader import load_model
+from jaxserve.model.quantization import GROUP, Int8Dot, dequantize, quantize
+from jaxserve.model.transformer import Transformer
+from model_helpers import paged_logits
+
+KINDS = ["llama", "llama3", "qwen3", "gemma3"]  # untied, tied, untied with qk-norm, tied with sliding windows
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LOGIT_TOL = 2e-4  # float32 on both sides, the same weights: only the order of the sums differs
+
+
+def test_quantize_stores_each_group_within_half_a_step_of_its_weights():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 5)).astype(np.float32)
+    w[32:64, 1] = 0  # an all-zero group
+    q, s = quantize(w, 0, 32)
+    assert q.dtype == np.int8 and s.dtype == np.float16 and s.shape == (3, 5)
+    assert np.abs(q).max() == 127 and s[1, 1] == 1 and not q[32:64, 1].any()
+    step = np.repeat(s.astype(np.float32), 32, axis=0)
+    assert np.all(np.abs(dequantize(q, s, 0) - w) <= step / 2 * (1 + 1e-6))
+    assert np.array_equal(q[:32, 0], np.round(w[:32, 0] / np.float32(s[0, 0])).astype(np.int8))
+    per_channel_q, per_channel_s = quantize(w.T, 1, None)  # contracted along axis 1, one scale a row
+    assert per_channel_s.shape == (5, 1) and per_channel_q.shape == (5, 96)
+    assert quantize(w, 0, 7)[1].shape == (1, 5)  # a group that does not divide the axis: per channel
+
+
+def reference_dot(x, q, s, axis: int, w8a8: bool) -> np.ndarray:
+    """float64 numpy: x @ w (axis 0: q [K, N]) or x @ w.T (axis 1: q [N, K]); with w8a8, x
+    rounded to int8 per row first, as the engine does."""
+    x = np.asarray(x, np.float64)
+    if w8a8:
+        xs = np.abs(x).max(axis=1, keepdims=True) / 127
+        x = np.clip(np.round(x / xs), -127, 127) * xs
+    w = np.asarray(dequantize(q, s, axis), np.float64)
+    return x @ (w if axis == 0 else w.T)
+
+
+@pytest.mark.parametrize("mode,group", [("int8", GROUP), ("int8", None), ("w8a8", None)])
+def test_the_dots_equal_a_float64_reference_of_the_same_int8_weights(mode, group):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
+    q, s = quantize(w, 0, group)
+    tied_q, tied_s = quantize(w.T, 1, group)  # [V, D] as a tied embedding
+    for rows in (0, 64):  # the whole output layer at once, and in 4 blocks
+        dot = Int8Dot(mode, "float32", rows, group)
+        cases = [(dot.dense(x, q, s), reference_dot(x, q, s, 0, mode == "w8a8")),
+                 (dot.output_layer(x, q, s, tied=False), reference_dot(x, q, s, 0, mode == "w8a8")),
+                 (dot.output_layer(x, tied_q, tied_s, tied=True), reference_dot(x, tied_q, tied_s, 1, mode == "w8a8"))]
+        for got, want in cases:
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    rows = Int8Dot(mode, "float32", 0, group).embedding(tied_q, tied_s, jnp.array([3, 0, 255]))
+    np.testing.assert_allclose(np.asarray(rows), dequantize(tied_q, tied_s, 1)[[3, 0, 255]], rtol=1e-6)
+
+
+def test_w8a8_takes_one_scale_per_output_channel():
+    with pytest.raises(ValueError, match="per output channel"):
+        Int8Dot("w8a8", "float32", 0, GROUP)
+
+
+def dequantized_weights(weights: dict, cfg) -> dict:
+    """The float weights int8 ones stand for: each matrix through quantize and back, along its
+    contracted axis, as the model quantizes them (fusing q/k/v and gate/up only reorders columns)."""
+    out = dict(weights)
+    for name, w in weights.items():
+        if name.split(".")[-1] in MATRICES or name == "lm_head":
+            out[name] = dequantize(*quantize(w, 0, GROUP), 0)
+    out["embed"] = dequantize(*quantize(weights["embed"], 1, GROUP), 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {kind: load_model(checkpoints(kind))[:3] for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_logits_equal_the_float_model_on_the_weights_they_stand_for(models, kind):
+    cfg, weights, _ = models[kind]
+    tokens = np.arange(3, 23, dtype=np.int32)
+    got = paged_logits(Transformer(cfg, weights, quant=Int8Dot("int8", "float32", 0, GROUP)), tokens, prompt_len=16)
+    want = paged_logits(Transformer(cfg, dequantized_weights(weights, cfg)), tokens, prompt_len=16)
+    assert np.abs(got - want).max() < LOGIT_TOL * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_w8a8_logits_stay_near_the_float_model(models, kind):
+    """Its activations are rounded to int8 too, so the bound is the quantization's: measured on the
+    default model in docs/quantization.md; here only that it runs every family close to float."""
+    cfg, weights, _ = models[kind]
+    tokens = np.arange(3, 23, dtype=np.int32)
+    got = paged_logits(Transformer(cfg, weights, quant=Int8Dot("w8a8", "float32", 0, None)), tokens, prompt_len=16)
+    want = paged_logits(Transformer(cfg, weights), tokens, prompt_len=16)
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_an_int8_engine_decodes_the_float_engines_greedy_tokens_on_the_weights_they_stand_for(models, kind):
+    cfg, weights, tokenizer = models[kind]
+    config = EngineConfig(dtype="float32", max_slots=4, page_size=8, num_pages=96, max_model_len=128)
+    prompts = [[5, 17, 40, 9], list(range(3, 30)), [7] * 11]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = Engine(cfg, weights, tokenizer, config.replace(quantization="int8")).generate(prompts, greedy)
+    want = Engine(cfg, dequantized_weights(weights, cfg), tokenizer, config).generate(prompts, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def converted_copies(hlo: str, sizes: set[int]) -> list[str]:
+    """The float arrays of the compiled program whose element count is that of a whole int8 weight."""
+    found = re.findall(r"= (f32|bf16)\[([0-9,]*)\]", hlo)
+    return [f"{t}[{s}]" for t, s in found if math.prod(int(d) for d in s.split(",") if d) in sizes]
+
+
+def test_no_step_program_holds_a_float_copy_of_a_whole_int8_weight(models, monkeypatch):
+    """On a CPU XLA converts an int8 operand whole before its dot: the layers' matrices are converted
+    one layer at a time inside the scan, and the output layer (the tied embedding) one block of
+    rows at a time. TILE_ELEMENTS is shrunk so that this tiny vocabulary comes in 4 blocks, as
+    Gemma 3's 262,144 rows come in 64."""
+    cfg, weights, tokenizer = models["gemma3"]
+    monkeypatch.setattr(quantization, "TILE_ELEMENTS", cfg.vocab_size * cfg.hidden_size // 4)
+    engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="int8", max_slots=4,
+                                                          page_size=8, num_pages=64, max_model_len=128))
+    assert engine.runner.quant.block_rows == cfg.vocab_size // 4
+    int8 = [x for x in jax.tree.leaves(engine.runner.state) if x.dtype == jnp.int8]
+    assert {x.ndim for x in int8} == {2, 3}  # the embedding, and the layers' stacked matrices
+    sizes = {x.size for x in int8}
+    keys = [k for k in engine.runner.all_programs() if k[0] in ("forward", "sample")]
+    for key in keys[:2] + keys[-1:]:
+        jitted, args = engine.runner.program(key)
+        assert converted_copies(jitted.lower(*args).compile().as_text(), sizes) == [], key
+
+
+def test_the_compile_cache_keys_differ_between_quantizations(models):
+    cfg, weights, tokenizer = models["llama"]
+    config = EngineConfig(dtype="float32", max_slots=4, page_size=8, num_pages=64, max_model_len=128)
+    keys = {mode: Engine(cfg, weights, tokenizer, config.replace(quantization=mode)).runner.describe_programs()
+            for mode in (None, "int8", "w8a8")}
+    assert len(set(keys.values())) == 3
+
+
+def test_bad_quantizations_are_value_errors_naming_the_choices(models, monkeypatch):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'int8', 'w8a8', 'auto'\)"):
+        EngineConfig(quantization="int3")
+    from jaxserve.worker import machine
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    cfg, weights, tokenizer = models["llama"]
+    with pytest.raises(ValueError, match="w8a8.*int8 dot instructions.*'int8'"):
+        Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="w8a8", num_pages=64,
+                                                     max_model_len=128))
+
+
+@pytest.mark.parametrize("timings,chosen", [({"none": 10.0, "int8": 5.0}, "int8"),
+                                            ({"none": 10.0, "int8": 9.5}, None),  # not clearly faster
+                                            (RuntimeError("no measurement"), None)])
+def test_auto_takes_int8_only_where_it_is_clearly_faster_and_never_fails(timings, chosen, tmp_path):
+    from jaxserve.model.config import ModelConfig
+    from jaxserve.worker.quantization_plan import auto_quantization
+
+    def measure(cfg, dtype, rows):
+        if isinstance(timings, Exception):
+            raise timings
+        return timings
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    mode, why = auto_quantization(cfg, "float32", 1, str(tmp_path / "plans.json"), measure)
+    assert mode == chosen and why.startswith("auto")
+    if not isinstance(timings, Exception):  # kept: the next start reads it
+        assert auto_quantization(cfg, "float32", 1, str(tmp_path / "plans.json"), None) == (mode, why)
+
+
+def test_describe_says_what_is_quantized_and_the_bytes_held(models):
+    cfg, weights, tokenizer = models["gemma3"]
+    config = EngineConfig(dtype="float32", max_slots=4, page_size=8, num_pages=64, max_model_len=128)
+    plain = Engine(cfg, weights, tokenizer, config).describe().splitlines()[2]
+    int8 = Engine(cfg, weights, tokenizer, config.replace(quantization="int8"))
+    line = int8.describe().splitlines()[2]
+    assert "not quantized (the default)" in plain
+    assert "int8, read in float32, float16 scales one per 32 weights of a dot's inputs" in line
+    assert "(asked for)" in line
+    held = sum(x.nbytes for x in jax.tree.leaves(int8.runner.states))
+    assert f"{held / 2**30:.2f} GiB" in line
+    matrices = [x for x in jax.tree.leaves(int8.runner.state) if x.dtype == jnp.int8]
+    assert sum(x.size for x in matrices) == sum(w.size for n, w in weights.items()
+                                                if n.split(".")[-1] in MATRICES or n in ("embed", "lm_head"))
