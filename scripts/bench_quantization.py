@@ -11,7 +11,8 @@ output layer gives every position's scores. Printed per mode against the float m
 the text's log-likelihood (the sum of each next token's log-probability) and its relative
 difference; the share of positions whose top-1 token is the float model's; and, on ten prompts of
 32 greedy tokens, how many are equal to the float model's up to its first near tie (a top-2
-log-probability margin under 0.1, where float rounding alone may flip the choice).
+log-probability margin under 0.1, where float rounding alone may flip the choice). For a GGUF, first
+how far int8 moves each storage type's values (Q4_K and Q6_K are requantized from their floats).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import pydoc_data.topics
 from flax import nnx
 
 from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.model.default_model import default_model_path
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import load_model
-from jaxserve.model.quantization import GROUP, Int8Dot, block_rows
+from jaxserve.model.quantization import GROUP, Int8Dot, block_rows, dequantize, quantize
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.worker.kv_pool import allocate_kv_pool
@@ -77,6 +79,27 @@ def equal_to_first_near_tie(ref: list[tuple[int, float]], got: list[tuple[int, f
     return True
 
 
+def gguf_requantization_error(path: str) -> dict[str, tuple[int, float, float]]:
+    """Per GGUF storage type of the file's matrices: (tensors, relative RMS error, largest error in
+    steps of its block's int8 scale) of int8 (a scale per 32 weights along the inputs) against the
+    values the file stores."""
+    import gguf
+    totals: dict[str, list[float]] = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if len(tensor.shape) != 2:
+            continue
+        stored = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # [out, in]
+        q, scale = quantize(stored, 1, GROUP)
+        err = dequantize(q, scale, 1) - stored
+        steps = np.abs(err) / np.repeat(scale.astype(np.float32), stored.shape[1] // scale.shape[1], axis=1)
+        t = totals.setdefault(tensor.tensor_type.name, [0, 0.0, 0.0, 0.0])
+        t[0] += 1
+        t[1] += float((err.astype(np.float64) ** 2).sum())
+        t[2] += float((stored.astype(np.float64) ** 2).sum())
+        t[3] = max(t[3], float(steps.max()))
+    return {name: (int(n), (e / s) ** 0.5, worst) for name, (n, e, s, worst) in totals.items()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
@@ -86,6 +109,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print("CPU:", next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?"))
+    path = args.model or default_model_path()
+    if path.endswith(".gguf"):
+        print("\n| stored as | matrices | int8's relative RMS error | largest error, in int8 steps |\n|---|---|---|---|")
+        for qtype, (n, rms, worst) in sorted(gguf_requantization_error(path).items()):
+            print(f"| {qtype} | {n} | {rms:.2e} | {worst:.2f} |")
     cfg, weights, tokenizer, name = load_model(args.model)
     ids = tokenizer.encode(pydoc_data.topics.topics["execmodel"])[:args.tokens]
     print(f"{name}; text: the first {len(ids)} tokens of the Python Language Reference's 'Execution model'")

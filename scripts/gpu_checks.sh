@@ -9,7 +9,7 @@
 #      jax.profiler trace of those steps (jaxserve.bench.host_cost, by phase), single steps and 4 decode steps
 #      per dispatch, and the device's busy share read from those traces (jaxserve.bench.trace_busy);
 #      the batching benchmark (one request, and 32, traced) with 1 and 4 decode steps per dispatch,
-#      and decode tokens/s against batch size, on random Gemma 3 270M;
+#      and decode tokens/s against batch size in bfloat16 and int8, on random Gemma 3 270M;
 #   5. start-up: `jaxserve generate` cold (empty cache) and warm, on random Gemma 3 270M;
 #   6. with RAY_BENCH=1, replicas behind Ray Serve against one engine (`load.py replicas`).
 # The host and step figures (4) run first, then start-up (5): the kernel's figures are in
@@ -47,7 +47,8 @@ part decode_one_request 60 $PYTHON scripts/bench_batching.py --model /tmp/gemma3
     --num-requests 1 --output-len 256:256 --max-slots 8 --decode-steps 1,4
 part bench_batching 120 $PYTHON scripts/bench_batching.py --model /tmp/gemma3-270m-random --strategies paged \
     --num-requests 32 --max-slots 32 --decode-steps 1,4 --peer hf --json "$LOGS/batching.json" --trace "$LOGS/trace-batching"
-part bench_decode 90 $PYTHON scripts/bench_decode.py --model /tmp/gemma3-270m-random --batches 1,8,64,256 --context 1024 --reps 10
+part bench_decode 90 $PYTHON scripts/bench_decode.py --model /tmp/gemma3-270m-random --batches 1,8,64,256 --context 1024 --reps 10 \
+    --dtypes auto --quantizations none,int8
 # Start-up with caches of its own: empty for the first run, which compiles, and the second loads.
 export JAXSERVE_CACHE=/tmp/jaxserve-startup JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache-startup
 part generate_cold 60 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/gemma3-270m-random "w1 w2 w3" --max-tokens 32

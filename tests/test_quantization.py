@@ -198,3 +198,40 @@ def test_describe_says_what_is_quantized_and_the_bytes_held(models):
     matrices = [x for x in jax.tree.leaves(int8.runner.state) if x.dtype == jnp.int8]
     assert sum(x.size for x in matrices) == sum(w.size for n, w in weights.items()
                                                 if n.split(".")[-1] in MATRICES or n in ("embed", "lm_head"))
+
+
+def q8_0_blocks(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values [rows, K], float16 scales [rows, K / 32]) of a Q8_0 tensor's stored bytes: each
+    block is its float16 scale, then 32 int8 values."""
+    blocks = np.asarray(raw, np.uint8).reshape(rows, -1, 34)
+    return blocks[..., 2:].view(np.int8).reshape(rows, -1), blocks[..., :2].copy().view(np.float16)[..., 0]
+
+
+def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path):
+    """A Q8_0 block is 32 weights along a dot's inputs with a float16 scale: int8's own layout, so
+    the values and scales gguf wrote come back exactly (ggml's dequantization, then the engine's
+    quantization, reproduces both)."""
+    import gguf
+    from test_gguf_loader import TINY, hf_tiny_weights, write_tiny_gguf
+    path = str(tmp_path / "tiny.gguf")
+    hf = hf_tiny_weights()
+    write_tiny_gguf(path, weights=hf)  # token_embd, ffn_gate and ffn_down (among others) in Q8_0
+    cfg, weights, tokenizer, _ = load_model(path)
+    engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="int8", num_pages=64,
+                                                          max_model_len=128))
+    state = engine.runner.state
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+    def stored(name):  # [out, in] as written, blocks along `in`
+        return q8_0_blocks(gguf.quants.quantize(hf[name], Q8_0), hf[name].shape[0])
+    q, s = stored("token_embd.weight")  # the embedding [V, D]: blocks along D, as stored
+    assert np.array_equal(np.asarray(state["embed"][...]), q)
+    assert np.array_equal(np.asarray(state["embed_scales"][...]), s)
+    mlp = state["layers"]["mlp"]
+    for layer in range(TINY["layers"]):
+        q, s = stored(f"blk.{layer}.ffn_down.weight")  # [D, F] -> down [F, D], blocks along F
+        assert np.array_equal(np.asarray(mlp["down"][...][layer]), q.T)
+        assert np.array_equal(np.asarray(mlp["down_scale"][...][layer]), s.T)
+        q, s = stored(f"blk.{layer}.ffn_gate.weight")  # gate: the even columns of gate/up
+        assert np.array_equal(np.asarray(mlp["gate_up"][...][layer][:, 0::2]), q.T)
+        assert np.array_equal(np.asarray(mlp["gate_up_scale"][...][layer][:, 0::2]), s.T)

@@ -225,6 +225,7 @@ def _label(eng: Engine, caching: bool, overlap: bool | None) -> str:
     """The strategy, and what this run changed from the engine's defaults."""
     return (eng.config.strategy + ("" if eng.config.enable_chunked_prefill else " (no chunked prefill)")
             + ("" if eng.config.decode_steps == 1 else f" ({eng.config.decode_steps} decode steps)")
+            + ("" if eng.runner.quant is None else f" ({eng.runner.quant.mode} weights)")
             + ("" if caching else " (no prefix caching)")
             + {None: "", False: " (steps in order)", True: " (steps overlapped)"}[overlap])
 
@@ -364,6 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="token budget of a step")
     p.add_argument("--decode-steps", default="1", help="comma-separated: an engine for each decode_steps")
+    p.add_argument("--quantizations", default="none", help="comma-separated: an engine for each of none, int8, "
+                                                           "w8a8, auto")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="also run every strategy on an engine that prefills prompts whole")
     p.add_argument("--no-prefix-caching", action="store_true", help="also run every strategy with the prefix cache off")
@@ -400,7 +403,8 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
                           kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
-    engines = [config.replace(decode_steps=int(k)) for k in args.decode_steps.split(",")]
+    engines = [config.replace(decode_steps=int(k), quantization=None if q == "none" else q)
+               for q in args.quantizations.split(",") for k in args.decode_steps.split(",")]
     engines += [config.replace(enable_chunked_prefill=False)] if args.no_chunked_prefill else []
     rows, compile_s = [], 0.0
     timelines = [] if args.timeline else None
