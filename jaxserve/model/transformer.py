@@ -27,7 +27,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (MLP, Attention, LayerConstants, RMSNorm, dense, dense_transposed,
                                   rope_frequencies, rope_tables)
 from jaxserve.model.paged_attention import Attend, StepMetadata
-from jaxserve.model.quantization import Int8Dot, quantize
+from jaxserve.model.quantization import Int8Dot, quantize_on_device
 from jaxserve.model.weights import check_weights
 
 KVPool = tuple  # (k [N, P, M, S, K], v [N, P, M, S, K])
@@ -87,7 +87,7 @@ class Transformer(nnx.Module):
         per_layer = [_layer_weights(cfg, weights, i, stored, xp) for i in range(cfg.num_layers)]
         stacked = {name: xp.stack([w[name] for w in per_layer]) for name in per_layer[0]}
         for name in MATRICES if quant else ():  # [L, in, out], contracted along `in`
-            stacked[name], stacked[name + "_scale"] = quantize(stacked[name], 1, quant.group, xp)
+            stacked[name], stacked[name + "_scale"] = quantize_on_device(put(stacked[name]), 1, quant.group)
         self.layers = DecoderLayer(cfg, {name: put(as_bits(w)) for name, w in stacked.items()}, quant)
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
@@ -137,8 +137,7 @@ def _matrix(w, vocab: int, dtype, quant: Int8Dot | None, xp):
     matrix having the vocabulary along axis `vocab` and being contracted along the other."""
     if quant is None:
         return jax.device_put(xp.asarray(w, dtype)), None
-    q, scales = quantize(w, 1 - vocab, quant.group, xp)
-    return jax.device_put(q), jax.device_put(scales)
+    return quantize_on_device(jax.device_put(xp.asarray(w, jnp.float32)), 1 - vocab, quant.group)
 
 
 # XLA:CPU slices a bfloat16 array through float32 and hoists the conversion of the whole stack out
