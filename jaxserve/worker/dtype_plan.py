@@ -167,11 +167,11 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
             runs = []  # (kind, rows, function, weights, the share of the model's weights they are)
             for t in timed:
                 n = max(1, min(most, int(MAX_TIMED_FLOPS // (2 * t * per_layer))))
-                runs.append(("forward", t, _layers, [w[:n] for w in stacked], n / cfg.num_layers))
+                runs.append(("forward", t, layer_dots, [w[:n] for w in stacked], n / cfg.num_layers))
             runs += [("sample", r, dense_transposed, head, vocab / cfg.vocab_size) for r in row_sizes]
-            compiled = list(pool.map(lambda run: _compile(run[2], run[1], d, run[3]), runs))
+            compiled = list(pool.map(lambda run: compile_dots(run[2], run[1], d, run[3]), runs))
             for (kind, size, _, weights, share), program in zip(runs, compiled):
-                timings[kind].setdefault(str(size), {})[dtype] = _best_ms(program, weights, reps) / share
+                timings[kind].setdefault(str(size), {})[dtype] = best_ms(program, weights, reps) / share
             del stacked, head, runs
     for t in sorted(set(token_sizes) - set(timed)):
         below, above = max(s for s in timed if s < t), min(s for s in timed if s > t)
@@ -181,23 +181,27 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
     return timings
 
 
-def _layers(x, stacked):
-    """x [T, D] through each layer's qkv, o, gate/up and down matrices, as `Transformer` runs them."""
+def layer_dots(x, stacked, dot=None):
+    """x [T, D] through each layer's qkv, o, gate/up and down matrices, as `Transformer` runs them:
+    `dot(x, w)`, by default `dense` on float weights kept as bits (`as_bits`)."""
+    dot = dot or (lambda x, w: dense(x, from_bits(w)))
+    rows = lambda w: jax.tree.leaves(w)[0].shape[0]  # noqa: E731 (an int8 matrix comes with its scales)
+
     def layer(x, weights):
-        qkv, o, gate_up, down = map(from_bits, weights)
-        x = x + dense(dense(x, qkv)[:, :o.shape[0]], o)
-        return x + dense(dense(x, gate_up)[:, :down.shape[0]], down), None
+        qkv, o, gate_up, down = weights
+        x = x + dot(dot(x, qkv)[:, :rows(o)], o)
+        return x + dot(dot(x, gate_up)[:, :rows(down)], down), None
     return jax.lax.scan(layer, x, stacked)[0]
 
 
-def _compile(fn, rows: int, d: int, weights):
+def compile_dots(fn, rows: int, d: int, weights):
     """`fn(x, weights)` compiled for x [rows, d] (inside one `lax.switch` over the sizes instead,
     XLA:CPU ran a 24-row bfloat16 output layer 6x slower than alone), with its x."""
     x = jnp.ones((rows, d), jnp.float32)
     return jax.jit(fn).lower(x, weights).compile(), x
 
 
-def _best_ms(program, weights, reps: int) -> float:
+def best_ms(program, weights, reps: int) -> float:
     compiled, x = program
     best = float("inf")
     for _ in range(reps):

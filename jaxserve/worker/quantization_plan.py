@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import dense, dense_transposed
+from jaxserve.model.layers import dense_transposed
 from jaxserve.model.quantization import GROUP, Int8Dot, block_rows, quantize
-from jaxserve.model.transformer import as_bits, from_bits
-from jaxserve.worker.dtype_plan import MAX_TIMED_BYTES, clearly_faster, layer_matrices, read_timings, write_timings
+from jaxserve.model.transformer import as_bits
+from jaxserve.worker.dtype_plan import (MAX_TIMED_BYTES, best_ms, clearly_faster, compile_dots, layer_dots, layer_matrices,
+                                        read_timings, write_timings)
 from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
@@ -65,42 +66,16 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) 
     rng = np.random.default_rng(0)
     stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
     head = rng.standard_normal((vocab, d), np.float32) * 0.02
-    x = jnp.ones((rows, d), jnp.float32)
     quant = Int8Dot("int8", dtype, block if jax.default_backend() == "cpu" else 0, GROUP)
     float_layers = [jnp.asarray(as_bits(w.astype(jnp.dtype(dtype)))) for w in stacked]
     int8_layers = [tuple(map(jnp.asarray, quantize(w, 1, GROUP))) for w in stacked]
     int8_head = tuple(map(jnp.asarray, quantize(head, 1, GROUP)))
-    runs = {"none": [(_float_layers, float_layers), (dense_transposed, jnp.asarray(head, jnp.dtype(dtype)))],
-            "int8": [(lambda x, w: _int8_layers(quant, x, w), int8_layers),
+    runs = {"none": [(layer_dots, float_layers), (dense_transposed, jnp.asarray(head, jnp.dtype(dtype)))],
+            "int8": [(lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)), int8_layers),
                      (lambda x, w: quant.output_layer(x, *w, True), int8_head)]}
     shares = (most / cfg.num_layers, vocab / cfg.vocab_size)
-    return {mode: sum(_best_ms(jax.jit(fn).lower(x, w).compile(), x, w, reps) / share
-                      for (fn, w), share in zip(pairs, shares)) for mode, pairs in runs.items()}
-
-
-def _float_layers(x, stacked):
-    def layer(x, weights):
-        qkv, o, gate_up, down = map(from_bits, weights)
-        x = x + dense(dense(x, qkv)[:, :o.shape[0]], o)
-        return x + dense(dense(x, gate_up)[:, :down.shape[0]], down), None
-    return jax.lax.scan(layer, x, stacked)[0]
-
-
-def _int8_layers(quant: Int8Dot, x, stacked):
-    def layer(x, weights):
-        (qkv, s_qkv), (o, s_o), (gate_up, s_gu), (down, s_down) = weights
-        x = x + quant.dense(quant.dense(x, qkv, s_qkv)[:, :o.shape[0]], o, s_o)
-        return x + quant.dense(quant.dense(x, gate_up, s_gu)[:, :down.shape[0]], down, s_down), None
-    return jax.lax.scan(layer, x, stacked)[0]
-
-
-def _best_ms(compiled, x, weights, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(x, weights))
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return {mode: sum(best_ms(compile_dots(fn, rows, d, w), w, reps) / share for (fn, w), share in zip(pairs, shares))
+            for mode, pairs in runs.items()}
 
 
 def _shapes(cfg: ModelConfig) -> tuple:
