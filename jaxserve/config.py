@@ -32,8 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "auto"  # weights; "auto": what fits the machine (`jaxserve.worker.machine`)
     kv_cache_dtype: str = "auto"  # the KV pool; "auto": the weights' dtype
-    # int8 weights, read in `dtype` ("int8") or with int8 activations ("w8a8"); "auto": whichever
-    # of None, int8 and w8a8 decodes fastest on this machine (`jaxserve.worker.quantization_plan`)
+    # int8 weights, read in `dtype` ("int8") or with int8 activations ("w8a8"); "auto": int8 where
+    # it decodes clearly faster on this machine, else None (`jaxserve.worker.quantization_plan`)
     quantization: str | None = None
     attention_backend: str = "auto"
     seed: int = 0

@@ -26,9 +26,9 @@ from jaxserve.model.quantization import GROUP, Int8Dot, block_rows
 from jaxserve.model.transformer import Transformer
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.worker.kv_pool import pages_in_budget
-from jaxserve.worker.quantization_plan import auto_quantization
 from jaxserve.worker.machine import (INT8_FLAGS, auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions,
                                      int8_dot_instructions)
+from jaxserve.worker.quantization_plan import auto_quantization
 from jaxserve.worker.runner import Runner, RunnerConfig
 from jaxserve.worker.step_batch import StepBuckets
 
@@ -84,10 +84,9 @@ def _dtype_per_program(config: EngineConfig, model_config: ModelConfig, model: T
     there (`jaxserve.worker.dtype_plan`); else every program in the loaded dtype."""
     if config.dtype != "auto":
         return model, None, None, "asked for"
-    if model.quant is not None:  # one copy of the weights, in int8
-        return model, None, None, auto_weights_dtype()[1]
     reason = auto_weights_dtype()[1]
-    if jax.default_backend() != "cpu" or mesh is not None or bf16_dot_instructions():
+    one_copy = model.quant is not None  # int8 weights, read in the loaded dtype
+    if jax.default_backend() != "cpu" or mesh is not None or bf16_dot_instructions() or one_copy:
         return model, None, None, reason
     sizes = StepBuckets(max_tokens=budget, max_seqs=config.max_slots)
     plan = plan_for(model_config, sizes.token_sizes, sizes.row_sizes, config.weights_dtype,

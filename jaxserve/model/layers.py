@@ -35,13 +35,17 @@ def dense_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, quant: Int8Dot | None) -> jax.Array:
-    """x @ w in float32, w a float matrix or (with `quant`) an int8 one with its column scales."""
+    """x @ w in float32, w a float matrix or (with `quant`) an int8 one with its scales."""
     return dense(x, w) if quant is None else quant.dense(x, w, scale)
 
 
 def _scale(weights, name: str):
-    """The column scales of a quantized matrix as a parameter, or None for a float one."""
+    """The scales of an int8 matrix as a parameter, or None for a float one."""
     return nnx.Param(weights[name + "_scale"]) if name + "_scale" in weights else None
+
+
+def _value(param):
+    return None if param is None else param[...]
 
 
 class RMSNorm(nnx.Module):
@@ -185,7 +189,3 @@ class Attention(nnx.Module):
         out = attend(q, k_pool, v_pool, layer.index, meta, sm_scale=self.scale, sliding_window=layer.window,
                      soft_cap=self.soft_cap)
         return project(out.reshape(t, h * k), self.out[...], _value(self.out_scale), self.quant), (k_pool, v_pool)
-
-
-def _value(param):
-    return None if param is None else param[...]

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("int8", "w8a8")  # EngineConfig.quantization also takes None and "auto"
 GROUP = 32  # int8's layer weights per scale along the contracted axis (GGUF's Q8_0 block)
 TILE_ELEMENTS = 1 << 22  # a block of the output layer converted at a time: 8 MiB in bfloat16, in cache
 

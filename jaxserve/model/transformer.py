@@ -60,8 +60,8 @@ class DecoderLayer(nnx.Module):
 
 class Transformer(nnx.Module):
     """Decoder built from canonical weights (see `jaxserve.model.weights`). Matrices are kept in
-    `dtype`, or with `quant` in int8 with float32 column scales, the activations' dtype being
-    `dtype` (`jaxserve.model.quantization`); norms, biases and the activations between layers are
+    `dtype`, or with `quant` in int8 with float16 scales, read in `dtype`
+    (`jaxserve.model.quantization`); norms, biases and the activations between layers are
     float32."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
