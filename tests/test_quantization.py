@@ -235,3 +235,19 @@ def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path)
         q, s = stored(f"blk.{layer}.ffn_gate.weight")  # gate: the even columns of gate/up
         assert np.array_equal(np.asarray(mlp["gate_up"][...][layer][:, 0::2]), q.T)
         assert np.array_equal(np.asarray(mlp["gate_up_scale"][...][layer][:, 0::2]), s.T)
+
+
+def test_int8_gives_the_same_tokens_under_every_strategy_with_prefix_hits_and_leaks_no_page(models):
+    cfg, weights, tokenizer = models["gemma3"]  # sliding windows too
+    engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="int8", max_slots=4,
+                                                          page_size=8, num_pages=96, max_model_len=128))
+    shared = list(range(3, 20))  # two full pages every prompt starts with
+    work = [shared + [20 + i, 30 + i] for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + i % 3, temperature=0, ignore_eos=True) for i in range(6)]
+    expected = [o.token_ids for o in engine.generate(work, params)]
+    for strategy in ("none", "static", "dynamic", "continuous", "paged"):
+        other = engine.with_strategy(strategy, batch_size=3, max_batch_delay_ms=0.0)
+        assert [o.token_ids for o in other.generate(work, params)] == expected, strategy
+        stats = other.stats()
+        assert stats["running"] == stats["waiting"] == stats["used_pages"] == 0, strategy
+    assert engine.stats()["prefix_cache_hits"] > 0

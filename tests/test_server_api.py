@@ -220,6 +220,10 @@ def test_engine_args_make_the_engine_config():
     assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
     vllm = parser.parse_args(["--max-num-seqs", "8", "--block-size", "32", "--num-gpu-blocks-override", "100"])
     assert engine_config_from_args(vllm) == EngineConfig(max_slots=8, page_size=32, num_pages=100)
+    assert engine_config_from_args(parser.parse_args(["--quantization", "int8"])).quantization == "int8"
+    assert engine_config_from_args(parser.parse_args(["--quantization", "none"])).quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
 
 
 
