@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import Engine, EngineConfig
+from jaxserve.entrypoints.engine_args import quantization_arg
 from jaxserve.worker import machine
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.worker.kv_pool import allocate_kv_pool
@@ -271,7 +272,7 @@ def main(argv=None) -> None:
     for dtype, quantization in itertools.product(args.dtypes.split(","), args.quantizations.split(",")):
         engine = Engine.from_pretrained(args.model, EngineConfig(
             dtype=dtype, max_slots=max(batches), max_num_batched_tokens=max(256, max(batches)),
-            max_model_len=max(512, args.context + 1), quantization=None if quantization == "none" else quantization,
+            max_model_len=max(512, args.context + 1), quantization=quantization_arg(quantization),
             num_pages=1 + GROUPS * max(batches) * -(-args.context // 16)))
         peak = peak32 if engine.runner.dtype == "float32" else peak16
         label = f"{dtype}: {'/'.join(sorted(engine.runner.states))}"  # "auto" may mix dtypes per bucket

@@ -43,6 +43,7 @@ from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.bench import trace_busy
 from jaxserve.bench.step_profile import StepProfile
 from jaxserve.bench.timeline import TimelineRecorder, plot_timelines
+from jaxserve.entrypoints.engine_args import quantization_arg
 from jaxserve.host_memory import keep_freed_memory
 
 
@@ -403,7 +404,7 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len,
                           kv_cache_bytes=args.kv_cache_mb << 20, max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
-    engines = [config.replace(decode_steps=int(k), quantization=None if q == "none" else q)
+    engines = [config.replace(decode_steps=int(k), quantization=quantization_arg(q))
                for q in args.quantizations.split(",") for k in args.decode_steps.split(",")]
     engines += [config.replace(enable_chunked_prefill=False)] if args.no_chunked_prefill else []
     rows, compile_s = [], 0.0

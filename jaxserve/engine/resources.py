@@ -106,8 +106,8 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
     mode, reason = config.quantization, "asked for" if config.quantization else "the default"
     cpu = jax.default_backend() == "cpu"
     if mode == "auto":
-        rows = 2 if cpu and config.weights_dtype == "bfloat16" else 1  # the runner's smallest bucket
-        mode, reason = auto_quantization(model_config, config.weights_dtype, rows,
+        smallest = 2 if cpu and config.weights_dtype == "bfloat16" else 1  # the runner's smallest row bucket
+        mode, reason = auto_quantization(model_config, config.weights_dtype, smallest,
                                          os.path.join(cache_root(), "quantization_plans.json"))
     if mode is None:
         return None, reason

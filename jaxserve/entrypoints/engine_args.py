@@ -23,7 +23,8 @@ def _mesh(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(f"--mesh must look like data=2,model=4, got {text!r}") from None
 
 
-def _quantization(text: str) -> str | None:
+def quantization_arg(text: str) -> str | None:
+    """A --quantization value: "none" is None (the benchmarks' comma lists take it too)."""
     return None if text == "none" else text
 
 
@@ -63,7 +64,7 @@ _OPTIONS = (
     _Option("--dtype", "dtype", "weights (auto: bfloat16 where the machine has fast bfloat16 dots, else float32)", str, DTYPES),
     _Option("--kv-cache-dtype", "kv_cache_dtype", "the KV pool", str, DTYPES),
     _Option("--quantization", "quantization", "int8 weights: int8 (read in --dtype), w8a8 (int8 activations "
-            "too, where the machine has int8 dots), auto (the fastest here), or none", _quantization,
+            "too, where the machine has int8 dots), auto (the fastest here), or none", quantization_arg,
             QUANTIZATIONS),
     _Option("--max-num-batched-tokens", "max_num_batched_tokens", "token budget of one step"),
     _Option("--chunked-prefill", "enable_chunked_prefill", "split long prompts over steps (on/off)", on_off),

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import dense_transposed
-from jaxserve.model.quantization import GROUP, Int8Dot, block_rows, quantize
+from jaxserve.model.quantization import GROUP, Int8Dot, block_rows, quantize_on_device
 from jaxserve.model.transformer import as_bits
 from jaxserve.worker.dtype_plan import (MAX_TIMED_BYTES, best_ms, clearly_faster, compile_dots, layer_dots, layer_matrices,
                                         read_timings, write_timings)
@@ -68,8 +68,8 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) 
     head = rng.standard_normal((vocab, d), np.float32) * 0.02
     quant = Int8Dot("int8", dtype, block if jax.default_backend() == "cpu" else 0, GROUP)
     float_layers = [jnp.asarray(as_bits(w.astype(jnp.dtype(dtype)))) for w in stacked]
-    int8_layers = [tuple(map(jnp.asarray, quantize(w, 1, GROUP))) for w in stacked]
-    int8_head = tuple(map(jnp.asarray, quantize(head, 1, GROUP)))
+    int8_layers = [quantize_on_device(jnp.asarray(w), 1, GROUP) for w in stacked]
+    int8_head = quantize_on_device(jnp.asarray(head), 1, GROUP)
     runs = {"none": [(layer_dots, float_layers), (dense_transposed, jnp.asarray(head, jnp.dtype(dtype)))],
             "int8": [(lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)), int8_layers),
                      (lambda x, w: quant.output_layer(x, *w, True), int8_head)]}
@@ -81,4 +81,3 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) 
 def _shapes(cfg: ModelConfig) -> tuple:
     return (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.vocab_size)
-
