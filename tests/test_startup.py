@@ -1,12 +1,16 @@
 """Start-up: after `warmup()` nothing compiles, whatever the request kind or strategy; a second
 engine loads every compiled program from the compile cache; a changed config never reuses a
 program; a corrupt cache entry is recompiled; a cache over its size loses its least recently used
-configurations; the layer scan matches its unrolled form."""
+configurations; a cache folder, or an entry, that another user could have written is never
+unpickled; the layer scan matches its unrolled form."""
 
 import copy
+import hashlib
 import logging
 import os
+import pickle
 import shutil
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,6 +18,7 @@ import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.engine.batching.policies import STRATEGIES
+from jaxserve.worker import compile_cache
 from jaxserve.worker.compile_cache import ExecutableCache
 from jaxserve.model.loader import load_model
 
@@ -129,6 +134,7 @@ def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_neve
     real = os.path.join(cache_dir, "compiled", f"{warm.runner.cache.fingerprint}-sample-2-greedy.bin")
     for name, used in [(os.path.basename(real), 10), ("zzz-sample-2-greedy.bin", 20)]:
         shutil.copyfile(real, os.path.join(folder, name))
+        os.chmod(os.path.join(folder, name), 0o600)  # whatever the umask: an entry only we may write
         os.utime(os.path.join(folder, name), (used, used))
     reader = copy.copy(warm.runner.cache)
     reader.folder = folder
@@ -137,7 +143,7 @@ def test_a_cache_over_its_size_drops_the_least_recently_used_configurations_neve
     assert cache.pruned == ["zzz"] and os.listdir(folder) == [os.path.basename(real)]
 
 
-def test_a_cache_folder_others_may_write_is_refused_before_anything_is_unpickled(tmp_path):
+def test_a_cache_folder_others_may_write_is_refused_before_anything_is_unpickled(tmp_path, monkeypatch):
     devices = jax.devices()[:1]
     ExecutableCache(str(tmp_path / "not yet made"), "a configuration", devices)  # made 0700 at the first save
     folder = tmp_path / "shared"
@@ -146,8 +152,53 @@ def test_a_cache_folder_others_may_write_is_refused_before_anything_is_unpickled
     ExecutableCache(str(folder), "a configuration", devices)
     for mode in (0o777, 0o775, 0o757):
         os.chmod(folder, mode)
-        with pytest.raises(ValueError, match=f"may be written by other users .mode {mode:o}.*chmod go-w"):
+        with pytest.raises(ValueError, match=f"{folder} may be written by other users .mode {mode:o}.*"
+                                             f"`chmod go-w {folder}`.*JAXSERVE_CACHE"):
             ExecutableCache(str(folder), "a configuration", devices)
+    os.chmod(folder, 0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(folder).st_uid + 1)  # the folder is another user's
+    with pytest.raises(ValueError, match=f"{folder} is owned by another user .uid {os.stat(folder).st_uid}.*chown"):
+        ExecutableCache(str(folder), "a configuration", devices)
+
+
+def test_an_engine_refuses_to_start_on_a_compile_cache_others_may_write(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    os.mkdir(tmp_path / "compiled")
+    os.chmod(tmp_path / "compiled", 0o777)
+    with pytest.raises(ValueError, match="compile cache folder .*compiled may be written by other users"):
+        Engine.from_pretrained(llama_dir, CONFIG)
+
+
+def test_an_entry_others_may_have_written_is_never_unpickled(tmp_path, monkeypatch, caplog):
+    """In a private folder, an entry with a valid checksum is unpickled only when this user alone
+    could have written it: a file writable by others, or another user's, is logged and removed."""
+    folder = tmp_path / "private"
+    folder.mkdir(mode=0o700)
+    cache = ExecutableCache(str(folder), "a configuration", jax.devices()[:1])
+    unpickled = []
+    monkeypatch.setattr(compile_cache, "pickle", SimpleNamespace(loads=unpickled.append))
+    payload = pickle.dumps("not a program")
+    uid = os.stat(folder).st_uid
+
+    def entry(mode: int) -> str:
+        path = cache._path("sample-2-greedy")
+        with open(path, "wb") as f:
+            f.write(hashlib.sha256(payload).digest() + payload)
+        os.chmod(path, mode)
+        return path
+    with caplog.at_level(logging.WARNING, logger="jaxserve.worker.compile_cache"):
+        for mode in (0o666, 0o620, 0o602):
+            path = entry(mode)
+            assert cache.load("sample-2-greedy") is None and not os.path.exists(path)
+        monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+        path = entry(0o600)
+        assert cache.load("sample-2-greedy") is None and not os.path.exists(path)
+        assert unpickled == [] and cache.rejected == 4
+        assert sum("so it is not unpickled" in r.message for r in caplog.records) == 4
+        monkeypatch.setattr(os, "geteuid", lambda: uid)
+        entry(0o600)
+        cache.load("sample-2-greedy")  # ours alone: unpickled (then refused: not a program)
+    assert unpickled == [payload] and cache.rejected == 5
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])

@@ -6,9 +6,11 @@ and result trees, stored under a fingerprint of everything that changes the prog
 XLA flags, the engine's own source) and the step's name. A file starts with the SHA-256 of its
 payload: an entry that fails the check, or fails to load, is logged, removed and compiled again.
 
-Loading runs pickle, so the folder must be the user's own (like jax's persistent cache): entries
-are written with the process's umask into a folder made 0700, and an existing folder that another
-user owns or may write to is refused before anything in it is read.
+Loading runs pickle, so only the user may have written what is loaded: entries are written 0600
+(by `mkstemp`) into a folder made 0700. An existing folder that another user owns or may write to
+is refused when the cache opens, before anything in it is read, with how to fix it; an entry file
+that fails the same test (another user's, or writable by others) is never unpickled, only
+compiled again.
 
 Every new engine version, config or jax version starts a new fingerprint, and an old one is never
 read again: when the folder outgrows `max_bytes` (`$JAXSERVE_COMPILE_CACHE_MB`, 2 GiB by default),
@@ -74,10 +76,14 @@ class ExecutableCache:
         path = self._path(name)
         try:
             with open(path, "rb") as f:
-                blob = f.read()
+                # the file opened, not the path: another file moved in after the check is not read
+                unsafe = others_may_write(os.fstat(f.fileno()))
+                blob = b"" if unsafe else f.read()
         except OSError:
             return None
         try:
+            if unsafe:
+                raise PermissionError(f"the file {unsafe}, so it is not unpickled")
             if len(blob) <= _DIGEST or hashlib.sha256(blob[_DIGEST:]).digest() != blob[:_DIGEST]:
                 raise ValueError("checksum mismatch (truncated or corrupt)")
             payload, in_tree, out_tree = pickle.loads(blob[_DIGEST:])
@@ -116,14 +122,21 @@ def check_private(folder: str) -> None:
         st = os.stat(folder)
     except FileNotFoundError:
         return
-    if st.st_uid != os.getuid():
-        why = f"is owned by another user (uid {st.st_uid})"
-    elif st.st_mode & 0o022:
-        why = f"may be written by other users (mode {st.st_mode & 0o777:o})"
-    else:
-        return
-    raise ValueError(f"the compile cache folder {folder} {why}, and its entries are unpickled: run "
-                     f"`chmod go-w {folder}` if it is yours, or point JAXSERVE_CACHE at a folder of your own")
+    unsafe = others_may_write(st)
+    if unsafe:
+        fix = f"chmod go-w {folder}" if st.st_uid == os.geteuid() else f"chown {os.geteuid()} {folder}"
+        raise ValueError(f"the compile cache folder {folder} {unsafe}, and its entries are unpickled: run "
+                         f"`{fix}` if it is yours, or point JAXSERVE_CACHE at a folder of your own")
+
+
+def others_may_write(st: os.stat_result) -> str | None:
+    """Why a file or folder may hold what another user wrote (owned by another user than this
+    process's effective one, or writable by group or others), or None when only we could have."""
+    if st.st_uid != os.geteuid():
+        return f"is owned by another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"may be written by other users (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 def prune(folder: str, max_bytes: int, keep: str) -> list[str]:
