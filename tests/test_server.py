@@ -352,11 +352,18 @@ def test_health_and_metrics(server):
 
 
 def test_a_prompt_sampled_n_times_counts_its_tokens_once(server):
-    before = metrics(server)["jaxserve_prompt_tokens_total"]
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7, 8, 9], "n": 3, "max_tokens": 2},
-                   timeout=60).json()
-    assert r["usage"]["prompt_tokens"] == 5 and len(r["choices"]) == 3
-    assert metrics(server)["jaxserve_prompt_tokens_total"] - before == 5
+    """The counter adds what usage.prompt_tokens says: each prompt once, however many choices."""
+    def counted(path, body):
+        before = metrics(server)["jaxserve_prompt_tokens_total"]
+        r = httpx.post(server.url + path, json=body, timeout=60).json()
+        return r, metrics(server)["jaxserve_prompt_tokens_total"] - before
+    r, added = counted("/v1/completions", {"prompt": [5, 6, 7, 8, 9], "n": 3, "max_tokens": 2})
+    assert r["usage"]["prompt_tokens"] == added == 5 and len(r["choices"]) == 3
+    r, added = counted("/v1/completions", {"prompt": [[5, 6, 7, 8, 9], [10, 11]], "n": 3, "max_tokens": 2})
+    assert r["usage"]["prompt_tokens"] == added == 7 and len(r["choices"]) == 6
+    r, added = counted("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                "max_tokens": 2})
+    assert r["usage"]["prompt_tokens"] == added > 0 and len(r["choices"]) == 2
 
 
 class _BrokenEngine:

@@ -42,7 +42,8 @@ class Metrics:
         self.vllm_running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
         self.vllm_kv_usage = [Gauge(name, "KV-cache usage: KV pages in use, 1 means the whole pool", registry=r)
                               for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
-        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens accepted, each prompt once whatever "
+                                     "its n (as in usage)", registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
         self.preemptions = Counter("jaxserve_num_preemptions", "Sequences preempted for lack of KV pages",
                                    registry=r)
