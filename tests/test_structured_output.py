@@ -383,7 +383,7 @@ BAD = [
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs",
      "both constrain the output"),
     ({"tools": [WEATHER]}, "tool_choice", 'tool_choice "auto"'),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "base models"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "start the server with --tool-call-parser"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "not among the tools"),

@@ -43,16 +43,18 @@ log = logging.getLogger(__name__)
 
 def create_app(engine_or_client, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                model_name: str | None = None, chat_template: str | None = None,
-               default_max_tokens: int | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+               default_max_tokens: int | None = None, trust_request_chat_template: bool = False,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The app over an EngineClient (its engine in another process, or a thread); over an
     EngineFactory, whose engine process the app starts; or over an Engine object, whose loop then
     runs in a thread. The app stops what it started when it shuts down.
 
     `default_max_tokens` is the max_tokens of a request that sets none, within the context its
     prompt leaves; without it, a completion gets OpenAI's 16 and a chat completion the rest of the
-    context."""
+    context. `tool_call_parser` (hermes, llama3_json: tool_parsers.py) reads the calls a model
+    writes, which lets chat requests leave tool_choice "auto"."""
     options = ServerOptions(api_key, max_body_bytes, default_max_tokens,  # checked before an engine starts
-                            trust_request_chat_template)
+                            trust_request_chat_template, tool_call_parser)
     owned = not isinstance(engine_or_client, EngineClient)
     if isinstance(engine_or_client, EngineFactory):
         client = EngineClient.spawn(engine_or_client)
@@ -114,7 +116,8 @@ def run(args, client: EngineClient, start: float) -> None:
             client.wait_ready()
             app.app = create_app(client, api_key=args.api_key, chat_template=args.chat_template,
                                  default_max_tokens=args.default_max_tokens,
-                                 trust_request_chat_template=args.trust_request_chat_template)
+                                 trust_request_chat_template=args.trust_request_chat_template,
+                                 tool_call_parser=args.tool_call_parser)
         except Exception as e:  # noqa: BLE001 — reported, and the server stops with an error
             if not stopping.is_set():
                 app.failed = str(e)

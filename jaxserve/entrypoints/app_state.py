@@ -3,7 +3,7 @@
     engine   the EngineClient (engine_client.py)
     metrics  its Metrics
     model    ServedModel: the served model's name, limits, tokenizer and chat templates
-    options  ServerOptions: the API key, the body limit, the default max_tokens
+    options  ServerOptions: the API key, the body limit, the default max_tokens, the tool-call parser
     owns_engine  the app started its engine, so it stops it when it shuts down
 
 `create_app` (api_server.py) fills them in once; handlers only read them.
@@ -17,6 +17,7 @@ import time
 from jaxserve.engine.core_process import EngineInfo
 from jaxserve.entrypoints.chat_template import ChatTemplates
 from jaxserve.entrypoints.protocol import ApiError
+from jaxserve.entrypoints.tool_parsers import PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -29,11 +30,14 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # past it: 413
     default_max_tokens: int | None = None  # a request's max_tokens when it sets none (within the context)
     trust_request_chat_template: bool = False  # render a request's own chat_template (else 400)
+    tool_call_parser: str | None = None  # reads tool calls from replies: tool_choice "auto" (else 400)
 
     def __post_init__(self):
         d = self.default_max_tokens
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"default_max_tokens must be an integer >= 1, got {d!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
 
     @property
     def auth(self) -> bool:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from jaxserve.entrypoints.engine_args import add_engine_args, engine_config_from_args, on_off
+from jaxserve.entrypoints.tool_parsers import PARSERS as TOOL_CALL_PARSERS  # the standard library only
 
 SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "prometheus_client", "jinja2")  # jaxserve[server]
 RAY_MODULES = ("ray",)  # jaxserve[ray], for --replicas
@@ -61,6 +62,9 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.engine_restarts < 0:
         raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes its "
+                         f"tool calls in ({', '.join(TOOL_CALL_PARSERS)})")
     if args.replicas is not None:
         missing = [m for m in RAY_MODULES if importlib.util.find_spec(m) is None]
         if missing:
@@ -122,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="render a request's own chat_template (refused with 400 otherwise: a template may "
                           "loop for as long as it likes)")
+    srv.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
+                     help="the format the model writes tool calls in (hermes: Qwen 2.5 and 3; llama3_json: Llama "
+                          "3.1+): chat requests may then leave tool_choice \"auto\" (the default with tools), and "
+                          "the calls come back as tool_calls (without it, \"auto\" with tools is refused with 400)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM's command lines, where it goes with --tool-call-parser; here "
+                          "--tool-call-parser alone enables tool_choice \"auto\"")
     srv.add_argument("--warmup", type=on_off, default=True, metavar="on|off",
                      help="compile every step shape before accepting requests (default on; later starts "
                           "load them from the compile cache)")

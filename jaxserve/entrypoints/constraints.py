@@ -7,18 +7,20 @@
 
 A named function constrains the reply to its `parameters` schema: the text is the call's
 arguments. "required" constrains it to a JSON array of `{"name", "parameters"}` objects, one of
-the tools each (vLLM's shape), at most one with `parallel_tool_calls: false`. "auto" with tools is
-refused: the served models are base models, which cannot choose between text and a call.
+the tools each (vLLM's shape), at most one with `parallel_tool_calls: false`. "auto" (the default
+with tools) constrains nothing: the model chooses between text and calls, which a tool-call parser
+reads back from its text (tool_parsers.py), so it needs the server's --tool-call-parser; without
+one it is refused, as most models (the default base model among them) cannot choose.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
 
 from jaxserve.engine.batching.structured_outputs import StructuredOutputs
 from jaxserve.entrypoints.protocol import ApiError
+from jaxserve.entrypoints.tool_parsers import PARSERS, ToolCall
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -42,20 +44,21 @@ class ToolCalls:
             calls = [(c["name"], c.get("parameters", {})) for c in value]
         else:
             return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
+        return [ToolCall(name, json.dumps(arguments)).openai() for name, arguments in calls]
 
 
-def constraint(body, chat: bool) -> tuple[StructuredOutputs | None, ToolCalls | None]:
+def constraint(body, chat: bool, tool_call_parser: str | None = None
+               ) -> tuple[StructuredOutputs | None, ToolCalls | None]:
     """The reply's constraint from a parsed request body (ApiError 400 naming the field), and how
-    to read tool calls back (chat only)."""
+    to read tool calls back (chat only). `tool_call_parser`: the server's, which tool_choice
+    "auto" needs."""
     given = []
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
         given.append("response_format")
     if body.structured_outputs is not None:
         given.append("structured_outputs")
-    tools = _tool_constraint(body) if chat else None
+    tools = _tool_constraint(body, tool_call_parser) if chat else None
     if tools is not None:
         given.append("tool_choice")
     if len(given) > 1:
@@ -87,18 +90,19 @@ def _response_format(fmt) -> StructuredOutputs:
     return StructuredOutputs(json=schema, name="response_format.json_schema.schema")
 
 
-def _tool_constraint(body) -> tuple[StructuredOutputs, ToolCalls] | None:
+def _tool_constraint(body, tool_call_parser: str | None) -> tuple[StructuredOutputs, ToolCalls] | None:
     """The constraint a chat request's tools and tool_choice ask for, or None."""
     tools, choice = body.tools or [], body.tool_choice
     if not tools:
         if choice not in (None, "none", "auto"):
             raise ApiError(400, f"tool_choice {_show(choice)} needs tools", param="tool_choice")
         return None
-    if choice is None or choice == "auto":
-        raise ApiError(400, 'tool_choice "auto" (the default with tools) is not supported: jaxserve serves base '
-                            'models, which cannot choose between text and a call; set tool_choice to "required", '
-                            '{"type": "function", "function": {"name": ...}} or "none"', param="tool_choice")
-    if choice == "none":
+    if auto_tool_choice(body) and tool_call_parser is None:
+        raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a tool-call parser: start the '
+                            f'server with --tool-call-parser ({" or ".join(PARSERS)}, the format the model writes '
+                            'its calls in), or set tool_choice to "required", {"type": "function", "function": '
+                            '{"name": ...}} or "none"', param="tool_choice")
+    if choice in (None, "auto", "none"):
         return None
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
@@ -123,6 +127,11 @@ def _tool_constraint(body) -> tuple[StructuredOutputs, ToolCalls] | None:
         return StructuredOutputs(json=calls, name="tools"), ToolCalls()
     except ValueError as e:
         raise ApiError(400, str(e), param="tools")
+
+
+def auto_tool_choice(body) -> bool:
+    """The model chooses between text and calls to the request's tools (tool_choice "auto")."""
+    return bool(body.tools) and body.tool_choice in (None, "auto")
 
 
 def _parameters(tool) -> dict:

@@ -105,9 +105,10 @@ class StreamedToolCall(ToolCall):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | None = Field(description="the reply's text; null when it is tool_calls")
-    tool_calls: list[ToolCall] | None = Field(None, description="with tool_choice naming a function or "
-                                                                 "\"required\": the calls the reply makes")
+    content: str | None = Field(description="the reply's text; null when it is only tool_calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the reply makes: with tool_choice "
+                                                                 "naming a function or \"required\", or read by "
+                                                                 "the server's tool-call parser (\"auto\")")
 
 
 class ChatChoice(BaseModel):
@@ -132,7 +133,9 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[StreamedToolCall] | None = Field(None, description="a reply constrained to tool calls: "
-                                                                         "all its calls, in the last delta")
+                                                                         "all its calls, in the last delta; with "
+                                                                         "\"auto\": each call whole, once it is "
+                                                                         "complete")
 
 
 class ChatChunkChoice(BaseModel):

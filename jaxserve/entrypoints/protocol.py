@@ -10,7 +10,8 @@ no API defines (a typo such as `max_token`) is refused and named. Each accepted 
 Structured output: `response_format` (text, json_object, json_schema), vLLM's
 `structured_outputs` (json, regex, choice, grammar, json_object), and for chat `tools` with a
 `tool_choice` that names a function or is "required"; the server turns them into a
-`StructuredOutputs` (one per request), whose checks name the field at fault.
+`StructuredOutputs` (one per request), whose checks name the field at fault. `tools` with
+tool_choice "auto" (the default) constrain nothing: the server's tool-call parser reads the calls.
 The JSON schema of each field says exactly what is accepted (the OpenAPI document is built from
 these models). Sampling ranges are checked by `SamplingParams`; here they are only documented.
 """
@@ -317,12 +318,13 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: bool | None = Field(False, description="add the tokenizer's BOS to the rendered chat")
     chat_template: str | None = Field(None, description="a Jinja chat template for this request")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
-    tools: list[Tool] | None = Field(None, description='functions the reply may call; with tools, tool_choice '
-                                                       'must be "required", a named function or "none"')
+    tools: list[Tool] | None = Field(None, description='functions the reply may call, shown to the chat template '
+                                                       '(as `tools`) whatever tool_choice says')
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description='"required" or a named function constrains the reply to tool calls; "auto" with '
-                          'tools is refused (jaxserve serves base models, which cannot choose)')
-    parallel_tool_calls: bool | None = Field(None, description="accepted; \"required\" allows several calls")
+        None, description='"required" or a named function constrains the reply to tool calls; "auto" (the '
+                          'default with tools) lets the model choose, and needs a server started with '
+                          '--tool-call-parser (else 400); "none": the reply is text')
+    parallel_tool_calls: bool | None = Field(None, description='accepted; "required" and "auto" allow several calls')
     functions: _Functions = None
     function_call: _FunctionCallChat = None
     metadata: dict[str, str] | None = Field(None, description="accepted; not stored")

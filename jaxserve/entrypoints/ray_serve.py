@@ -286,8 +286,9 @@ def with_gpus(actor_options: dict, replicas: int, cluster_gpus: float, devices_p
 
 def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key: str | None = None,
           chat_template: str | None = None, default_max_tokens: int | None = None,
-          trust_request_chat_template: bool = False, ray_actor_options: dict | None = None,
-          max_ongoing_requests: int = 1024, restarts: int = 3, router_kwargs: dict | None = None):
+          trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+          ray_actor_options: dict | None = None, max_ongoing_requests: int = 1024, restarts: int = 3,
+          router_kwargs: dict | None = None):
     """The Serve application: the ingress over `replicas` engine replicas with `router`."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -310,7 +311,8 @@ def build(factory: EngineFactory, replicas: int, router: str = "prefix", api_key
         request_router_config=router_config,
         health_check_period_s=10, health_check_timeout_s=30,
     ).bind(factory, {"api_key": api_key, "chat_template": chat_template, "default_max_tokens": default_max_tokens,
-                     "trust_request_chat_template": trust_request_chat_template},
+                     "trust_request_chat_template": trust_request_chat_template,
+                     "tool_call_parser": tool_call_parser},
            restarts)
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0},
                                  max_ongoing_requests=max_ongoing_requests).bind(engine)
@@ -321,7 +323,7 @@ def build_app(args: dict[str, Any]):
 
         model: a checkpoint path (default: Gemma 3 270M), engine: EngineConfig fields,
         replicas, router (prefix | pow2 | round-robin), warmup, api_key, chat_template, default_max_tokens,
-        ray_actor_options (e.g. {"num_cpus": 4} or {"resources": {"TPU": 4}})"""
+        tool_call_parser, ray_actor_options (e.g. {"num_cpus": 4} or {"resources": {"TPU": 4}})"""
     from jaxserve.config import EngineConfig
     args = dict(args)
     factory = EngineFactory(args.pop("model", None), EngineConfig(**args.pop("engine", {})),
@@ -377,7 +379,8 @@ def run(args, factory: EngineFactory) -> None:
         start_serve(args.host, args.port)
         app = build(factory, args.replicas, router=args.router, api_key=args.api_key,
                     chat_template=args.chat_template, default_max_tokens=args.default_max_tokens,
-                    trust_request_chat_template=args.trust_request_chat_template, ray_actor_options=options, restarts=args.engine_restarts)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    tool_call_parser=args.tool_call_parser, ray_actor_options=options, restarts=args.engine_restarts)
         serve.run(app, name="jaxserve", route_prefix="/", blocking=False)
         log.info("%d replica(s) ready behind http://%s:%d (router: %s)", args.replicas, args.host, args.port,
                  args.router)

@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: messages rendered by a chat template into one prompt, answered by n
-assistant messages, or by tool calls when `tools` constrain the reply to them.
+assistant messages, or by tool calls: when `tools` constrain the reply to them, or when the model
+chooses to call them (tool_choice "auto", read by the server's tool-call parser).
 
     body ─► the output's constraint (constraints.py) ─► the chat template renders the messages
     (and the tools) ─► token ids ─► max_tokens (default: the rest of the context, or the server's
     default within it) ─► SamplingParams ─► ChatServing (serving.py)
+    ─► each choice's text as it is, or read as tool calls: JSON (constrained), a parser's format (auto)
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from starlette.responses import Response
 from jaxserve.entrypoints.app_state import ServedModel
 from jaxserve.entrypoints.chat_template import HEADER
 from jaxserve.entrypoints.choice import Choice
-from jaxserve.entrypoints.constraints import ToolCalls, constraint
+from jaxserve.entrypoints.constraints import ToolCalls, auto_tool_choice, constraint
 from jaxserve.entrypoints.offload import off_loop
 from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest
 from jaxserve.entrypoints.serving import Serving, sampling_params
+from jaxserve.entrypoints.tool_parsers import PARSERS, ToolCallParser, ToolCallStream
 
 
 async def create_chat_completion(http_request: Request, body: ChatCompletionRequest, arrival: float) -> Response:
@@ -31,8 +34,9 @@ async def create_chat_completion(http_request: Request, body: ChatCompletionRequ
     if body.chat_template is not None and not state.options.trust_request_chat_template:
         raise ApiError(400, "a request's own chat_template is refused: start the server with "
                        "--trust-request-chat-template to allow it", param="chat_template")
-    structured, tool_calls = constraint(body, chat=True)
-    text, source = await off_loop(_render, model, body, tool_calls, what="rendering the chat template",
+    structured, tool_calls = constraint(body, chat=True, tool_call_parser=state.options.tool_call_parser)
+    parser = PARSERS[state.options.tool_call_parser] if auto_tool_choice(body) else None  # constraint() checked it
+    text, source = await off_loop(_render, model, body, what="rendering the chat template",
                                   param="chat_template" if body.chat_template is not None else "messages")
     prompt = model.truncate(await off_loop(model.encode, text, bool(body.add_special_tokens),
                                            what="tokenizing the chat", param="messages"),
@@ -44,16 +48,16 @@ async def create_chat_completion(http_request: Request, body: ChatCompletionRequ
         max_tokens = min(default_max_tokens or model.max_model_len, model.room(len(prompt)))
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              model.info.vocab_size, structured)
-    serving = ChatServing(http_request, body, [prompt], params, tool_calls, arrival)
+    serving = ChatServing(http_request, body, [prompt], params, tool_calls, parser, arrival)
     return await serving.respond({HEADER: source})
 
 
-def _render(model: ServedModel, body: ChatCompletionRequest, tool_calls: ToolCalls | None) -> tuple[str, str]:
+def _render(model: ServedModel, body: ChatCompletionRequest) -> tuple[str, str]:
     """The chat as the prompt's text, and which template rendered it."""
     messages = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
                 for m in body.messages]
     variables = body.chat_template_kwargs
-    if body.tools and tool_calls is not None:  # templates that know tools describe them to the model
+    if body.tools:  # templates that know tools describe them to the model, whatever tool_choice says
         variables = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools],
                      **(variables or {})}
     try:
@@ -69,10 +73,12 @@ class ChatServing(Serving):
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, http_request: Request, body: ChatCompletionRequest, prompts: list[list[int]], params,
-                 tool_calls: ToolCalls | None, arrival: float):
-        """`tool_calls`: the reply is constrained to tool calls, read back from its text."""
+                 tool_calls: ToolCalls | None, parser: ToolCallParser | None, arrival: float):
+        """`tool_calls`: the reply is constrained to tool calls, read back from its text; `parser`:
+        the reply may hold tool calls in the parser's format (tool_choice "auto")."""
         super().__init__(http_request, body, prompts, params, bool(body.logprobs), arrival)
-        self.tool_calls = tool_calls
+        self.tool_calls, self.parser = tool_calls, parser
+        self.streams = [ToolCallStream(parser) for _ in self.choices] if parser is not None else []
 
     def final_choice(self, index: int) -> dict:
         c = self.choices[index]
@@ -92,7 +98,26 @@ class ChatServing(Serving):
     def choice_chunk(self, index: int) -> dict | None:
         if self.tool_calls is not None:
             return self._tool_calls_chunk(index)
+        if self.parser is not None:
+            return self._parsed_chunk(index)
         return super().choice_chunk(index)
+
+    def _parsed_chunk(self, index: int) -> dict | None:
+        """A streamed reply that may hold tool calls: its content until what may be a call, then
+        each call whole once it is complete (tool_parsers.py)."""
+        c, stream = self.choices[index], self.streams[index]
+        finished = c.finish_reason is not None
+        content, calls = stream.feed(c.new_text(), finished)
+        start, c.emitted_tokens = c.emitted_tokens, c.num_tokens
+        if not content and not calls and start == c.num_tokens and not finished:
+            return None
+        delta = {"content": content} if content else {}
+        if calls:
+            first = stream.num_calls - len(calls)
+            delta["tool_calls"] = [{"index": first + k, **call.openai()} for k, call in enumerate(calls)]
+        return {"index": index, "delta": delta,
+                "logprobs": _logprobs(c, start, c.num_tokens) if self.logprobs else None,
+                "finish_reason": "tool_calls" if c.finish_reason == "stop" and stream.called else c.finish_reason}
 
     def _tool_calls_chunk(self, index: int) -> dict | None:
         """A streamed reply constrained to tool calls: held back, then its calls in one delta."""
@@ -108,11 +133,18 @@ class ChatServing(Serving):
 
     def _message(self, c: Choice) -> tuple[dict, str | None]:
         """A choice's message and finish reason: its text, or its tool calls when the reply was
-        constrained to them (and is complete JSON)."""
-        calls = self.tool_calls.parse(c.final_text) if self.tool_calls is not None else None
+        constrained to them (and is complete JSON), or the calls the parser reads in it and the
+        text around them."""
+        content, calls = c.final_text, None
+        if self.tool_calls is not None:
+            calls = self.tool_calls.parse(c.final_text)
+            content = None if calls is not None else content
+        elif self.parser is not None:
+            content, parsed = self.parser.parse(c.final_text)
+            calls = [call.openai() for call in parsed] or None
         if calls is None:
-            return {"role": "assistant", "content": c.final_text}, c.finish_reason
-        return ({"role": "assistant", "content": None, "tool_calls": calls},
+            return {"role": "assistant", "content": content}, c.finish_reason
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
                 "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
 
 
