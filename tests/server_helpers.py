@@ -1,5 +1,5 @@
 """Helpers of the server tests: uvicorn on loopback in a thread, `jaxserve serve` in a subprocess,
-and reading /metrics."""
+reading /metrics, and checking a response against the served OpenAPI document."""
 
 from __future__ import annotations
 
@@ -103,6 +103,15 @@ class Serve:
 def metrics(server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics").text
     return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+
+
+def response_validator(server, path: str, status: str = "200", method: str = "get"):
+    """A JSON Schema validator of what the server's own /openapi.json says `method path` answers
+    with `status` as JSON (Open API 3.1: JSON Schema 2020-12, its refs into the document's components)."""
+    import jsonschema
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schema = doc["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]
+    return jsonschema.Draft202012Validator({**schema, "components": doc["components"]})
 
 
 def wait_idle(server, timeout=20.0) -> dict[str, float]:

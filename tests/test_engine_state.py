@@ -24,7 +24,7 @@ from jaxserve.entrypoints.engine_client import EngineClient
 from jaxserve.engine.state import CACHED, FREE, SHARED, engine_state
 from jaxserve.entrypoints.openapi import EngineState, EngineStats
 from jaxserve.entrypoints.api_server import create_app
-from server_helpers import ServerThread, wait_idle
+from server_helpers import ServerThread, response_validator, wait_idle
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 STATIC = os.path.join(ROOT, "jaxserve", "entrypoints", "static")
@@ -195,6 +195,8 @@ def _state_and_truth(engine):
 def test_state_over_http_follows_the_requests_running(server, client):
     r = httpx.get(server.url + "/v1/engine/state")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    conforms = response_validator(server, "/v1/engine/state")  # what /openapi.json promises
+    conforms.validate(r.json())
     EngineState.model_validate(r.json())
     EngineStats.model_validate(r.json()["stats"], strict=True)  # every stat named, each of its documented type
     ids: dict[int, str] = {}  # completion ids, known from each stream's first chunk
@@ -218,6 +220,7 @@ def test_state_over_http_follows_the_requests_running(server, client):
         # each engine request id is "<completion id>-<8 hex>-<choice>"
         matched |= bool(slots) and all(rid.rsplit("-", 2)[0] in set(ids.values()) for rid in slots)
         http = httpx.get(server.url + "/v1/engine/state").json()
+        conforms.validate(http)  # with slots taken and requests waiting too
         over_http = max(over_http, http["num_running"])
         if busy == 4 and queued >= 2 and matched and over_http:
             break
@@ -286,5 +289,9 @@ def test_openapi_documents_the_state_and_the_page(server):
     op = doc["paths"]["/v1/engine/state"]["get"]
     assert op["parameters"][0]["name"] == "since" and {"200", "400", "503"} <= set(op["responses"])
     assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("EngineState")
+    stats = doc["components"]["schemas"]["EngineStats"]  # each stat by name, no more and no fewer
+    served = httpx.get(server.url + "/v1/engine/state").json()["stats"]
+    assert set(stats["required"]) == set(stats["properties"]) == set(served) and not stats["additionalProperties"]
+    assert stats["properties"]["structured_output_mask_seconds"]["type"] == "number"  # seconds: a float
     assert set(doc["paths"]["/dashboard"]["get"]["responses"]["200"]["content"]) == {"text/html"}
     assert set(doc["paths"]["/dashboard/dashboard.js"]["get"]["responses"]["200"]["content"]) == {"text/javascript"}

@@ -434,3 +434,14 @@ def test_mask_time_is_in_the_metrics(server):
     m = metrics(server)
     assert m["jaxserve_structured_output_mask_steps_total"] > 0
     assert m["jaxserve_structured_output_mask_seconds_total"] > 0
+
+
+def test_the_served_state_is_what_the_openapi_document_says(server):
+    """Once masks were filled, the state's stats hold a fraction of a second, which the document
+    must call a number (it once said integer)."""
+    import httpx
+    from server_helpers import response_validator
+    post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"regex": "[a-z]+"}})
+    state = httpx.get(server.url + "/v1/engine/state").json()
+    assert not float(state["stats"]["structured_output_mask_seconds"]).is_integer()
+    response_validator(server, "/v1/engine/state").validate(state)
