@@ -6,6 +6,7 @@ weight), the compile cache's key, and the errors and choices of `quantization=`.
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import jax
@@ -209,15 +210,15 @@ def q8_0_blocks(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path):
     """A Q8_0 block is 32 weights along a dot's inputs with a float16 scale: int8's own layout, so
-    the values and scales gguf wrote come back exactly (ggml's dequantization, then the engine's
-    quantization, reproduces both)."""
+    the loader takes the values and scales gguf wrote as they are, even for a bfloat16 engine
+    (through bfloat16 weights they would not come back)."""
     import gguf
     from test_gguf_loader import TINY, hf_tiny_weights, write_tiny_gguf
     path = str(tmp_path / "tiny.gguf")
     hf = hf_tiny_weights()
     write_tiny_gguf(path, weights=hf)  # token_embd, ffn_gate and ffn_down (among others) in Q8_0
-    cfg, weights, tokenizer, _ = load_model(path)
-    engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="int8", num_pages=64,
+    cfg, weights, tokenizer, _ = load_model(path, "bfloat16", quantization="int8")
+    engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype="bfloat16", quantization="int8", num_pages=64,
                                                           max_model_len=128))
     state = engine.runner.state
     Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -225,6 +226,7 @@ def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path)
     def stored(name):  # [out, in] as written, blocks along `in`
         return q8_0_blocks(gguf.quants.quantize(hf[name], Q8_0), hf[name].shape[0])
     q, s = stored("token_embd.weight")  # the embedding [V, D]: blocks along D, as stored
+    assert np.array_equal(weights["embed"], q) and np.array_equal(weights["embed.scales"], s)
     assert np.array_equal(np.asarray(state["embed"][...]), q)
     assert np.array_equal(np.asarray(state["embed_scales"][...]), s)
     mlp = state["layers"]["mlp"]
@@ -235,6 +237,51 @@ def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path)
         q, s = stored(f"blk.{layer}.ffn_gate.weight")  # gate: the even columns of gate/up
         assert np.array_equal(np.asarray(mlp["gate_up"][...][layer][:, 0::2]), q.T)
         assert np.array_equal(np.asarray(mlp["gate_up_scale"][...][layer][:, 0::2]), s.T)
+    with pytest.raises(ValueError, match="one scale per 32 weights, but quantization='w8a8' reads one per"):
+        Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="w8a8", num_pages=64,
+                                                     max_model_len=128))
+
+
+def test_a_float_checkpoint_is_quantized_once_and_kept_in_the_cache(checkpoints, tmp_path, monkeypatch):
+    """--quantization with a Hugging Face checkpoint: the int8 weights are the model's own
+    quantization of the float ones, saved under $JAXSERVE_CACHE and restored from there; a changed
+    checkpoint is quantized again."""
+    import shutil
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    source = shutil.copytree(checkpoints("qwen3"), tmp_path / "qwen3")
+    cfg, floats, _, _ = load_model(str(source))
+    _, weights, tokenizer, _ = load_model(str(source), quantization="int8")
+    kept = lambda: sorted(f for f in os.listdir(tmp_path / "cache") if f.startswith("qwen3-"))  # noqa: E731
+    assert len(kept()) == 1 and kept()[0].endswith("-int8-3")
+    q, s = quantize(floats["layers.1.gate_proj"], 0, GROUP)
+    assert np.array_equal(weights["layers.1.gate_proj"], q) and np.array_equal(weights["layers.1.gate_proj.scales"], s)
+    q, s = quantize(floats["embed"], 1, GROUP)
+    assert np.array_equal(weights["embed"], q) and np.array_equal(weights["embed.scales"], s)
+    _, again, _, _ = load_model(str(source), quantization="int8")
+    assert again.keys() == weights.keys() and all(np.array_equal(again[k], weights[k]) for k in weights)
+    config = EngineConfig(dtype="float32", quantization="int8", num_pages=64, max_model_len=128)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 11)), list(range(20, 31))]
+    loaded = Engine(cfg, again, tokenizer, config).generate(prompts, params)
+    built = Engine(cfg, floats, tokenizer, config).generate(prompts, params)  # quantized as the model builds
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in built]
+    os.utime(source / "config.json", ns=(0, 0))
+    load_model(str(source), quantization="int8")
+    assert len(kept()) == 2
+
+
+def test_loaded_int8_weights_are_checked_against_their_scales(models):
+    cfg, weights, _ = models["llama"]
+    quantized = quantization.quantize_matrices(weights, GROUP)
+    with pytest.raises(ValueError, match="int8 matrix 'layers.0.q_proj' without its scales"):
+        Transformer(cfg, {k: v for k, v in quantized.items() if k != "layers.0.q_proj.scales"},
+                    quant=Int8Dot("int8", "float32", 0, GROUP))
+    with pytest.raises(ValueError, match="scales 'final_norm.scales' belong to no matrix"):
+        Transformer(cfg, quantized | {"final_norm.scales": np.ones(1, np.float16)}, quant=Int8Dot("int8", "float32"))
+    with pytest.raises(ValueError, match="scales 'embed.scales' have shape"):
+        Transformer(cfg, quantized | {"embed.scales": quantized["embed.scales"][:, :1].T}, quant=Int8Dot("int8", "float32"))
+    with pytest.raises(ValueError, match="int8 weights need quantization='int8' or 'w8a8'"):
+        Transformer(cfg, quantized)
 
 
 def test_int8_gives_the_same_tokens_under_every_strategy_with_prefix_hits_and_leaks_no_page(models):

@@ -28,6 +28,7 @@ from jaxserve.engine.resources import INHERITED, build_runner, describe_groups
 from jaxserve.errors import QueueFullError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import load_model
+from jaxserve.model.quantization import GROUPS
 from jaxserve.pallas_kernels.backend import select_backend
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker.runner import Runner
@@ -120,7 +121,9 @@ class Engine:
         config = config or EngineConfig()
         # With a mesh, an Orbax checkpoint is restored straight into sharded arrays.
         sharding_for = (lambda cfg: canonical_sharding_for(make_mesh(config.mesh), cfg)) if config.mesh else None
-        model_config, weights, tokenizer, name = load_model(path, config.weights_dtype, sharding_for)
+        # int8 asked for by name is loaded int8 (and kept so in the cache); "auto" decides on float weights
+        quantization = config.quantization if config.quantization in GROUPS else None
+        model_config, weights, tokenizer, name = load_model(path, config.weights_dtype, sharding_for, quantization)
         return cls(model_config, weights, tokenizer, config, model_name=name)
 
     # ---- submitting ----

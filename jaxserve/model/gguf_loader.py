@@ -4,7 +4,8 @@
     cfg, weights = load_gguf("gemma-3-270m-q4_k_m.gguf", dtype="bfloat16")
 
 Every block type `gguf.quants` can dequantize (Q4_K, Q6_K, Q8_0, Q5_0, ... plus F32, F16, BF16)
-is turned into float32, or bfloat16 on request. Large tensors are dequantized a slab of rows at a
+is turned into float32, or bfloat16 on request; asked for int8 weights, Q8_0 matrices are taken as
+stored (`read_q8_0`) and the others quantized from float32. Large tensors are dequantized a slab of rows at a
 time straight into the output array, so the peak memory is the output plus one slab.
 The header is read by a small parser here (see `GGUFFile`), not `gguf.GGUFReader`, which spends
 ~9 s and ~0.75 GB building per-token numpy objects for Gemma 3's vocabulary.
@@ -31,7 +32,8 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxserve.model.config import ModelConfig, RopeScaling
-from jaxserve.model.weights import check_weights
+from jaxserve.model.quantization import GROUPS, quantize_matrices
+from jaxserve.model.weights import SCALES, check_weights
 
 SUPPORTED_ARCHITECTURES = ("gemma3", "llama")
 
@@ -496,10 +498,31 @@ def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return gguf_index.swapaxes(1, 2).reshape(-1)  # HF order: (head, component c, pair j)
 
 
-def load_gguf(path: str | os.PathLike, dtype="float32") -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Reads a GGUF file into `(ModelConfig, canonical weights)`; see the module docstring."""
+def read_q8_0(f: GGUFFile, name: str, *, transpose: bool = False,
+              row_perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 matrix as stored: (int8 values, float16 scales [out, in / 32]), each block being 32
+    weights along `in` with its scale, in numpy order (`[in, ...]` with `transpose`). That is
+    int8's own layout (`jaxserve.model.quantization`), so nothing passes through float."""
+    rows, cols = f.tensors[name].dims
+    blocks = f.raw(name).reshape(rows, cols // 32, 34)  # a float16 scale, then 32 int8 values
+    values = blocks[..., 2:].view(np.int8).reshape(rows, cols)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    if row_perm is not None:
+        values, scales = values[row_perm], scales[row_perm]
+    return tuple(np.ascontiguousarray(a.T if transpose else a) for a in (values, scales))
+
+
+def load_gguf(path: str | os.PathLike, dtype="float32", quantization: str | None = None
+              ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Reads a GGUF file into `(ModelConfig, canonical weights)`; see the module docstring. With
+    `quantization` ("int8", "w8a8"), the matrices come as int8 beside their scales
+    (`jaxserve.model.weights`): Q8_0 ones as stored where the mode's scales are Q8_0's, the others
+    dequantized and quantized again."""
+    import gguf
+
     path = os.fspath(path)
     out_dtype = _target_dtype(dtype)
+    group = GROUPS[quantization] if quantization else None
     f = open_gguf(path)
     meta = f.metadata
     shapes = {name: t.dims for name, t in f.tensors.items()}
@@ -514,28 +537,37 @@ def load_gguf(path: str | os.PathLike, dtype="float32") -> tuple[ModelConfig, di
             return None
         return _unpermute_rows(n_rows, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
 
+    def matrix(name: str, canon: str, **layout):
+        if not quantization:
+            return {canon: read_tensor(f, name, out_dtype, **layout)}
+        if group == 32 and f.tensors[name].qtype == gguf.GGMLQuantizationType.Q8_0:
+            values, scales = read_q8_0(f, name, **layout)
+            return {canon: values, canon + SCALES: scales}
+        return {canon: read_tensor(f, name, "float32", **layout)}  # quantized below, from float32
+
     weights: dict[str, np.ndarray] = {}
     unknown = []
     for name in f.tensors:
         if name == "rope_freqs.weight":
             continue
         if name == "token_embd.weight":
-            weights["embed"] = read_tensor(f, name, out_dtype)
+            weights |= matrix(name, "embed")
             continue
         if name == "output_norm.weight":
             weights["final_norm"] = read_tensor(f, name, out_dtype)
             continue
         if name == "output.weight":
             if not cfg.tie_embeddings:
-                weights["lm_head"] = read_tensor(f, name, out_dtype, transpose=True)
+                weights |= matrix(name, "lm_head", transpose=True)
             continue  # a tied model (Gemma 3) needs no second copy of the embedding
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < cfg.num_layers:
             prefix, kind, suffix = f"layers.{int(parts[1])}.", parts[2], parts[3]
             if suffix == "weight" and kind in _LAYER_TENSORS:
                 canon = _LAYER_TENSORS[kind]
-                weights[prefix + canon] = read_tensor(f, name, out_dtype, transpose=canon in _MATRICES,
-                                                      row_perm=perm_for(kind, shapes[name][0]))
+                perm = perm_for(kind, shapes[name][0])
+                weights |= (matrix(name, prefix + canon, transpose=True, row_perm=perm) if canon in _MATRICES
+                            else {prefix + canon: read_tensor(f, name, out_dtype, row_perm=perm)})
                 continue
             if suffix == "bias" and kind in _BIASES:
                 bias = read_tensor(f, name, out_dtype)
@@ -546,5 +578,7 @@ def load_gguf(path: str | os.PathLike, dtype="float32") -> tuple[ModelConfig, di
     if unknown:
         raise ValueError(f"{path}: unexpected tensor(s) for architecture {cfg.family!r}: "
                          f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    if quantization:
+        weights = quantize_matrices(weights, group)
     check_weights(cfg, weights, path)
     return cfg, weights

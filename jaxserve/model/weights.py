@@ -22,6 +22,10 @@ under these names, with every matrix stored as `[in, out]` so the model computes
 
 Legend: V vocab, D hidden, H query heads, N kv heads, K head dim, F MLP width.
 RMSNorm weights are the plain multiplier (Gemma's `1 + w` already added).
+
+A loader asked for int8 weights gives a matrix as int8 beside its float16 scales, `{name}.scales`:
+the matrix's shape with the contracted axis (`CONTRACTED`: D of the embedding, `in` of the others)
+divided by the weights per scale (`jaxserve.model.quantization`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ from typing import Mapping
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+
+
+SCALES = ".scales"
+MATRIX_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def contracted_axis(name: str) -> int | None:
+    """The axis a dot contracts of weight `name`; None for a weight that is not a matrix."""
+    if name == "embed":
+        return 1  # the output layer of a tied model: logits = x @ embed.T
+    return 0 if name == "lm_head" or name.rsplit(".", 1)[-1] in MATRIX_NAMES else None
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -59,6 +74,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], source: str) -> None:
     """Raises ValueError naming the first missing, unexpected or misshaped tensor."""
     expected = expected_shapes(cfg)
+    for name in [n for n in weights if n.endswith(SCALES)]:
+        _check_scales(name, weights, expected, source)
+    unscaled = [n for n, w in weights.items() if w.dtype == np.int8 and n + SCALES not in weights]
+    if unscaled:
+        raise ValueError(f"{source}: int8 matrix {unscaled[0]!r} without its scales {unscaled[0] + SCALES!r}")
+    weights = {name: w for name, w in weights.items() if not name.endswith(SCALES)}
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise ValueError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -68,3 +89,18 @@ def check_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray], source: s
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+def _check_scales(name: str, weights: Mapping[str, np.ndarray], expected, source: str) -> None:
+    """A matrix's scales: int8 beside them, the matrix's shape but along the contracted axis."""
+    matrix = name.removesuffix(SCALES)
+    axis = contracted_axis(matrix)
+    if axis is None or matrix not in expected:
+        raise ValueError(f"{source}: scales {name!r} belong to no matrix")
+    if matrix not in weights or weights[matrix].dtype != np.int8:
+        raise ValueError(f"{source}: scales {name!r} without the int8 matrix {matrix!r}")
+    shape, stored = expected[matrix], tuple(weights[name].shape)
+    groups = stored[axis] if len(stored) == len(shape) else 0
+    if not groups or shape[axis] % groups or any(a != b for i, (a, b) in enumerate(zip(shape, stored)) if i != axis):
+        raise ValueError(f"{source}: scales {name!r} have shape {stored}, which does not divide {shape} "
+                         f"along axis {axis}")
