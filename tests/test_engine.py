@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.faults import faults
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPT_LENGTHS = [1, 5, 7, 8, 9, 16, 17, 30]  # around the 8-token page boundaries
@@ -36,6 +37,30 @@ def assert_idle(engine):
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["used_pages"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], \
         "KV pages leaked"
+
+
+@pytest.fixture
+def fault():
+    """`faults.arm(point, request_id)`, disarmed after the test."""
+    yield faults.arm
+    faults.clear()
+
+
+def run_all(engine, requests: dict[str, list[int]]) -> dict:
+    """Runs the queued `requests` (id -> prompt) to the end; their outputs by id, released."""
+    engine.run_until(lambda: all(engine.request(i).finished for i in requests))
+    outputs = {i: engine.output(i) for i in requests}
+    for i in requests:
+        engine.release(i)
+    return outputs
+
+
+def assert_fault_free_tokens(engine, outputs: dict, prompts: dict) -> None:
+    """The outputs that did not end with `error` hold a fresh engine's tokens for their prompts."""
+    rest = [i for i, o in outputs.items() if o.finish_reason != "error"]
+    reference = engine.with_strategy("paged").generate([prompts[i] for i in rest], GREEDY)
+    assert [outputs[i].token_ids for i in rest] == [o.token_ids for o in reference]
+    assert [outputs[i].finish_reason for i in rest] == [o.finish_reason for o in reference]
 
 
 def test_greedy_matches_hugging_face_generate(engine, hf_model):
@@ -120,50 +145,122 @@ def test_eos_and_stop_token_ids_and_stop_strings(engine):
     assert_idle(engine)
 
 
-def test_a_request_whose_scheduling_raises_ends_alone_with_error(engine, monkeypatch):
-    """Faults injected in schedule(): one request's admission raises, another's page growth
-    raises mid-way. Each ends with `error`; the others get a fault-free run's tokens; no page leaks."""
-    from jaxserve.engine.batching.scheduler import Scheduler
-    work = prompts(6)
-    reference = [o.token_ids for o in engine.with_strategy("paged").generate(work, GREEDY)]
-    bad_admission, bad_growth = [9, 9, 9], [8, 8, 8, 8, 8, 8, 8, 8]  # the second grows past its page mid-way
-    real_admit, real_add = Scheduler._admit_one, Scheduler._add_pages
-
-    def admit_one(self, request, held_back):
-        if request.prompt_token_ids == bad_admission:
-            raise KeyError("a bug in admitting this request")
-        return real_admit(self, request, held_back)
-
-    def add_pages(self, request, total, preempted):
-        if request.prompt_token_ids == bad_growth:
-            raise RuntimeError("a bug in growing this request")
-        return real_add(self, request, total, preempted)
-    monkeypatch.setattr(Scheduler, "_admit_one", admit_one)
-    monkeypatch.setattr(Scheduler, "_add_pages", add_pages)
+def test_a_request_whose_scheduling_raises_ends_alone_with_error(engine, fault):
+    """Faults in schedule(): one request's admission raises, another's page growth raises mid-way.
+    Each ends with `error`; the others get a fault-free run's tokens; no page leaks."""
     small = engine.with_strategy("paged")
-    out = small.generate(work[:3] + [bad_admission, bad_growth] + work[3:], GREEDY)
-    assert [o.finish_reason for o in out[3:5]] == ["error", "error"] and len(out[4].token_ids) < GREEDY.max_tokens
-    assert [o.token_ids for o in out[:3] + out[5:]] == reference
+    work = {f"r{i}": q for i, q in enumerate(prompts(6))}
+    work |= {"bad-admission": [9, 9, 9], "bad-growth": [8] * 8}  # the second fills its page in one step
+    fault("schedule", "bad-admission")
+    for i, q in work.items():
+        small.add_request(q, GREEDY, request_id=i)
+    small.step()
+    fault("schedule", "bad-growth")  # its next token needs a new page
+    out = run_all(small, work)
+    assert [out[i].finish_reason for i in ("bad-admission", "bad-growth")] == ["error", "error"]
+    assert len(out["bad-admission"].token_ids) == 0 and len(out["bad-growth"].token_ids) == 1
+    assert sum(o.finish_reason == "error" for o in out.values()) == 2
+    assert_fault_free_tokens(engine, out, work)
     assert small.stats()["num_errors"] == 0  # no step failed: only those two requests
     assert_idle(small)
 
 
-def test_a_request_whose_stop_string_pass_fails_ends_alone_with_error(engine, monkeypatch):
-    """Detokenizing one request's tokens for its stop strings raises: that request ends with
-    `error`, the one beside it gets the tokens it gets alone, and no page leaks."""
-    from jaxserve.engine.output_processor import OutputText
+def test_a_request_whose_stop_string_pass_fails_ends_alone_with_error(engine, fault):
+    """Its pass for stop strings raises: that request ends with `error`, the one beside it gets
+    the tokens it gets alone, and no page leaks."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=("never in this text",))
     alone = engine.generate([[5, 6, 7]], params)[0].token_ids
-    real_add = OutputText.add
-
-    def add(self, token_ids):
-        if self.detok is not None and self.detok.ids[:3] == [9, 9, 9]:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer failed on this request")
-        return real_add(self, token_ids)
-    monkeypatch.setattr(OutputText, "add", add)
-    bad, good = engine.generate([[9, 9, 9], [5, 6, 7]], params)
-    assert bad.finish_reason == "error" and good.finish_reason == "length" and good.token_ids == alone
+    fault("stop_strings", "bad")
+    engine.add_request([9, 9, 9], params, request_id="bad")
+    engine.add_request([5, 6, 7], params, request_id="good")
+    out = run_all(engine, {"bad": [9, 9, 9], "good": [5, 6, 7]})
+    assert out["bad"].finish_reason == "error" and len(out["bad"].token_ids) == 1  # its first token's pass
+    assert out["good"].finish_reason == "length" and out["good"].token_ids == alone
     assert_idle(engine)
+
+
+def test_a_request_whose_text_fails_ends_alone_with_error(engine, fault):
+    """Detokenizing a RequestOutput raises: a finished request is marked `error` (its text empty),
+    a running one ends at once; the others keep their tokens and text."""
+    small = engine.with_strategy("paged")
+    work = {f"r{i}": q for i, q in enumerate(prompts(4))}
+    reference = small.generate(list(work.values()), GREEDY)
+    fault("detokenize", "r1")
+    fault("detokenize", "running")
+    for i, q in work.items():
+        small.add_request(q, GREEDY, request_id=i)
+    out = run_all(small, work)
+    assert out["r1"].finish_reason == "error" and out["r1"].text == ""
+    assert [(o.token_ids, o.text, o.finish_reason) for i, o in out.items() if i != "r1"] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in reference[:1] + reference[2:]]
+    small.add_request([5, 6, 7], GREEDY, request_id="running")
+    small.step()
+    assert small.output("running").finish_reason == "error" and small.request("running").finished
+    small.release("running")
+    assert_idle(small)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["in_order", "async"])
+def test_a_step_that_fails_on_the_device_ends_its_requests_alone(engine, fault, overlapped):
+    """The first step that runs `bad` fails where its tokens are collected, the pool not consumed:
+    the requests of the steps not yet collected (that one, and with async scheduling the one
+    after it) end with `error`; those admitted beside it that had not run, and those queued
+    later, finish with a fault-free run's tokens; no page leaks, and the engine serves on."""
+    small = engine.with_strategy("paged", max_num_batched_tokens=16, async_scheduling=overlapped)
+    work = {"bad": list(range(3, 23))}  # 20 tokens: its first chunk takes the whole first step
+    work |= {f"r{i}": q for i, q in enumerate(prompts(8, seed=1)[1:])}  # 5 to 30 tokens: chunks after bad's
+    fault("device_step", "bad")
+    for i, q in work.items():
+        small.add_request(q, GREEDY, request_id=i)
+    out = run_all(small, work)
+    errors = {i for i, o in out.items() if o.finish_reason == "error"}
+    # In order: bad alone. Async: the second step (bad's last 4 tokens, 12 of r0's and r1's) too.
+    assert errors == ({"bad", "r0", "r1"} if overlapped else {"bad"}) and small.stats()["num_errors"] == 1
+    assert_fault_free_tokens(engine, out, work)
+    assert_idle(small)
+    later = {"later": list(range(3, 23))}
+    small.add_request(later["later"], GREEDY, request_id="later")
+    assert_fault_free_tokens(engine, run_all(small, later), later)
+
+
+def test_a_page_recorded_after_its_step_was_dispatched_is_forgotten_when_that_step_fails(engine, fault):
+    """Async scheduling: the decode that fills page 1 runs its token while that token is still on
+    the device, so the page is recorded when the token reaches the host, with that decode in
+    flight. The decode fails: the page's hash goes with it, and a prompt over it hits page 0 only."""
+    small = engine.with_strategy("paged", async_scheduling=True)
+    prompt = list(range(3, 18))  # 15 tokens: the first decode computes token 16, the end of page 1
+    small.add_request(prompt, GREEDY, request_id="r")
+    small.step()  # the prefill
+    small.step()  # the decode dispatched, then the prefill's token collected: page 1 recorded
+    assert small.stats()["num_errors"] == 0 and len(small.request("r").output_token_ids) == 1
+    fault("device_step", "r")  # the decode fails where its token is collected
+    small.step()
+    first = small.request("r").output_token_ids[0]
+    out = run_all(small, {"r": prompt})
+    assert out["r"].finish_reason == "error"
+    later = {"later": prompt + [first, 99]}
+    small.add_request(later["later"], GREEDY, request_id="later")
+    small.step()
+    assert small.request("later").num_cached_tokens == 8  # page 0 (its prefill's step succeeded), not page 1
+    assert_fault_free_tokens(engine, run_all(small, later), later)
+    assert_idle(small)
+
+
+def test_recover_replaces_state_a_failed_step_left_in_error(own_pool_engine):
+    """A step that fails on the device hands its error to its outputs, which are not deleted:
+    the pool it left in error is replaced, as a consumed one is."""
+    class Failed:
+        def is_deleted(self):
+            return False
+
+        def block_until_ready(self):
+            raise RuntimeError("the step that made this array failed on the device")
+    runner = own_pool_engine.runner
+    assert not runner.recover()  # nothing lost: nothing replaced
+    runner.kv_pool = (runner.kv_pool[0], Failed())
+    assert runner.recover() and not any(isinstance(x, Failed) for x in runner.kv_pool)
+    runner.slot_tokens = Failed()
+    assert not runner.recover() and not isinstance(runner.slot_tokens, Failed)
 
 
 @pytest.mark.parametrize("prompt, params, match", [

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.batching import (BlockManager, Request, SamplingParams, Scheduler, SchedulerConfig, make_policy)
-from jaxserve.engine.batching.request import PENDING
+from jaxserve.engine.batching.request import PENDING, FinishReason
 from jaxserve.engine.batching.stop_ids import StopIds
 
 EOS = 0
@@ -291,6 +291,80 @@ def test_a_page_filled_while_its_last_token_is_on_the_device_is_cached_at_the_ne
     assert a.num_cached_pages == 0 and sched.prefix.hits(probe)[0] == 0
     sched.commit(prefill, np.array([10]))
     assert a.num_cached_pages == 1 and sched.prefix.hits(probe)[0] == 1
+
+
+def test_a_page_recorded_at_commit_is_forgotten_with_the_step_that_computed_it():
+    """The page recorded when its last token reached the host belongs to the step that computed
+    that token's K/V (the decode still in flight): if that step fails, forgetting its pages drops
+    this one too. A request that took a forgotten page as a hit meanwhile is sent back to be
+    recomputed (it has run nothing); one with a token on the device ends with error."""
+    sched, blocks, _ = make(caching=True)
+    sched.add(req("a", 3, max_tokens=6))
+    prefill = sched.schedule()
+    sched.advance(prefill)
+    decode = sched.schedule()
+    sched.advance(decode)
+    sched.commit(prefill, np.array([10]))  # page 0 recorded now, computed by `decode`
+    a = prefill.admitted[0]
+    assert decode.cached_pages == a.pages[0][:1] and prefill.cached_pages == []
+    hit = Request("b", [1, 2, 3, 10, 11], SamplingParams(), seed=0, arrival_time=0.0)
+    sched.add(hit)
+    after = sched.schedule()  # b admitted on page 0; a decodes again (its token on the device)
+    assert hit.num_computed_tokens == 4 and tokens(after) == {"a": 1, "b": 1}
+    sched.advance(after)
+    sched.finish(a, FinishReason.ERROR)  # `decode` failed: its requests end
+    assert sched.forget(decode.cached_pages) == [hit]  # b sampled in `after`: its token is lost
+    assert hit.finish_reason is FinishReason.ERROR and sched.prefix.hits(hit)[0] == 0
+    assert blocks.free_pages == blocks.total_pages and not sched.has_unfinished()
+
+
+def test_forget_sends_back_a_request_that_ran_nothing_on_a_forgotten_page():
+    sched, blocks, _ = make(caching=True, budget=8)
+    sched.add(req("a", 16))  # four pages: two chunks of the budget
+    first = sched.schedule()
+    sched.advance(first)  # pages 0 and 1 recorded
+    b = Request("b", list(range(1, 9)) + [50, 51], SamplingParams(max_tokens=2), seed=0, arrival_time=0.0)
+    sched.add(b)
+    second = sched.schedule()  # a's second chunk takes the budget; b is admitted on two pages, runs nothing
+    assert b in second.admitted and b not in second.num_tokens and b.num_computed_tokens == 8
+    sched.advance(second)
+    a = first.admitted[0]
+    sched.finish(a, FinishReason.ERROR)
+    assert sched.forget(first.cached_pages + second.cached_pages) == []
+    assert ids(sched.waiting) == ["b"] and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    while sched.has_unfinished():
+        run_step(sched)
+    assert b.finish_reason is FinishReason.LENGTH and blocks.used_pages == 0
+
+
+def test_a_failure_outside_any_requests_part_of_schedule_ends_the_newly_admitted(monkeypatch):
+    """Nothing says whose it was: the requests admitted by that schedule end with error and the
+    running ones go on; with none admitted, the running ones end (a repeating fault cannot stall
+    the engine). The policy raising ends the queue's head, whose admission it was deciding."""
+    sched, blocks, _ = make(budget=16)
+    sched.add(req("old", 3, max_tokens=8))
+    run_step(sched)
+    sched.add(req("new", 3))
+    real, calls = Scheduler._fill_budget, []
+
+    def fill_budget(self, *args):
+        calls.append(1)
+        if len(calls) in (1, 3):
+            raise RuntimeError("a bug filling the budget")
+        return real(self, *args)
+    monkeypatch.setattr(Scheduler, "_fill_budget", fill_budget)
+    s = sched.schedule()
+    assert s.empty and ids(s.failed) == ["new"] and ids(sched.running) == ["old"]
+    assert [r.finish_reason for r in s.failed] == [FinishReason.ERROR]
+    assert tokens(run_step(sched)) == {"old": 1}  # the next step runs as usual
+    s = sched.schedule()
+    assert ids(s.failed) == ["old"] and not sched.has_unfinished()
+    monkeypatch.setattr(type(sched.policy), "admissible", lambda *args: 1 // 0)
+    sched.add(req("head", 2))
+    sched.add(req("next", 2))
+    s = sched.schedule()
+    assert ids(s.failed) == ["head"] and ids(sched.waiting) == ["next"]
+    assert blocks.free_pages == blocks.total_pages
 
 
 def test_a_chunk_that_does_not_finish_the_prompt_samples_nothing():

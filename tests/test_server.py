@@ -21,6 +21,7 @@ import pytest
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.entrypoints.engine_client import EngineClient
 from jaxserve.entrypoints.api_server import create_app
+from jaxserve.faults import faults
 from server_helpers import ServerThread, metrics, wait_idle
 
 MAX_BODY = 16 << 10
@@ -450,6 +451,35 @@ def test_a_failure_delivering_outputs_ends_those_requests_and_the_server_goes_on
     assert failures and r.status_code == 503 and r.json()["error"]["type"] == "server_error"
     assert "failed to deliver" in r.json()["error"]["message"]
     assert health.status_code == 200 and after.status_code == 200  # the receiver goes on
+
+
+def test_a_request_whose_output_cannot_be_delivered_ends_alone(server, loop_engine, engine):
+    """The receiver fails on one request's output: that request ends with `error` (and is aborted
+    in the engine, freeing its pages); the one beside it gets a fault-free run's tokens; /health
+    stays 200, as the receiver goes on."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = on_loop(loop_engine, _generate, [5, 6, 7], params).token_ids
+
+    async def run(prefix):
+        (request_id,), deltas = await loop_engine.submit([[5, 6, 7]], [params], prefix)
+        tokens = []
+        while True:
+            for d in await asyncio.wait_for(deltas.get(), 30):
+                tokens += d.token_ids
+                if d.finish_reason is not None:
+                    return tokens, d.finish_reason, d.error
+
+    async def go():
+        return await asyncio.gather(run("undelivered"), run("delivered"))
+    faults.arm("receive", "undelivered-0")
+    try:
+        bad, good = asyncio.run(go())
+    finally:
+        faults.clear()
+    assert bad == ([], "error", "the server failed to deliver this request's output")
+    assert good == (alone, "length", None)
+    assert httpx.get(server.url + "/health").status_code == 200
+    wait_idle(server)
 
 
 def test_a_receiver_that_dies_turns_health_503_and_ends_what_was_in_flight(own_client, monkeypatch):

@@ -18,6 +18,7 @@ from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
 from jaxserve.engine.batching.structured_outputs import closed_objects
 from jaxserve.worker.sampling import SamplingBatch, sample
 from jaxserve.engine.grammars import GrammarMatchers
+from jaxserve.faults import faults
 from jaxserve.tokenizer import Tokenizer
 
 # 39 pages of 8 tokens: six requests of ~70 tokens preempt each other, one alone never is.
@@ -107,8 +108,8 @@ def test_masks_hold_exactly_the_tokens_that_continue_the_grammar(tokenizer):
     matchers = GrammarMatchers(tokenizer, vocab, (eos,))
     matchers.add("a", StructuredOutputs(choice=["yes", "no"]))
     matchers.add("b", StructuredOutputs(regex="x+"))
-    mask = matchers.fill([("a", 1), ("b", 3)], 4)
-    assert mask.shape == (4, 5) and mask.dtype == np.int32
+    mask, failed = matchers.fill([("a", 1), ("b", 3)], 4)
+    assert mask.shape == (4, 5) and mask.dtype == np.int32 and failed == []
     assert (mask[0] == -1).all() and (mask[2] == -1).all()  # unconstrained rows allow everything
     text = pieces(tokenizer)
     assert (mask[1] == bits([i for i, p in text.items() if "yes".startswith(p) or "no".startswith(p)], vocab)).all()
@@ -118,7 +119,7 @@ def test_masks_hold_exactly_the_tokens_that_continue_the_grammar(tokenizer):
     for token in tokenizer.encode("yes", add_special_tokens=False):
         assert matchers.consume("a", token)
     assert matchers.done("a")
-    mask = matchers.fill([("b", 0)], 1)
+    mask, _ = matchers.fill([("b", 0)], 1)
     assert (mask[0] == bits([i for i, p in text.items() if p and set(p) == {"x"}] + [eos], vocab)).all()
     assert matchers.fill_steps == 2 and matchers.fill_seconds > 0
     matchers.remove("a")
@@ -154,7 +155,7 @@ def test_a_schema_without_additional_properties_allows_none(tokenizer):
     matchers.add("a", StructuredOutputs(json={"type": "object", "properties": {"a": {"enum": [1]}}}))
     for token in tokenizer.encode('{"a": 1', add_special_tokens=False):
         assert matchers.consume("a", token)
-    mask = matchers.fill([("a", 0)], 1)  # the object can only end: no ", " for a property of the model's own
+    mask, _ = matchers.fill([("a", 0)], 1)  # the object can only end: no ", " for a property of the model's own
     assert (mask[0] == bits([i for i, p in pieces(tokenizer).items() if p == "}"], vocab)).all()
 
 
@@ -256,6 +257,44 @@ def test_preemption_mid_output_resumes_with_the_grammar_intact(engine, monkeypat
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     for o in together:
         assert o.finish_reason == "length" or re.fullmatch(pattern, o.text), o.text
+    assert_idle(engine)
+
+
+@pytest.fixture
+def fault():
+    """`faults.arm(point, request_id)`, disarmed after the test."""
+    yield faults.arm
+    faults.clear()
+
+
+def test_a_mask_that_fails_is_found_row_by_row(tokenizer, fault):
+    matchers = GrammarMatchers(tokenizer, 160, (2,))
+    matchers.add("a", StructuredOutputs(choice=["yes", "no"]))
+    matchers.add("b", StructuredOutputs(regex="x+"))
+    whole, _ = matchers.fill([("a", 0), ("b", 2)], 3)
+    fault("grammar_mask", "a")
+    mask, failed = matchers.fill([("a", 0), ("b", 2)], 3)
+    assert failed == ["a"] and (mask[0] == -1).all() and (mask[1:] == whole[1:]).all()
+
+
+def test_a_request_whose_mask_fails_ends_alone_with_error(engine, fault):
+    """Its grammar's mask raises when its first token is to be sampled: it ends with `error`
+    before that step runs; the constrained and plain requests beside it keep a fault-free run's
+    tokens; no page or matcher is left."""
+    prompts = [PROMPT, "a dog", PROMPT, "yes"]
+    params = [constrained(json=SCHEMA, max_tokens=30, temperature=0.9, seed=7), constrained(regex="[a-z ]{3,12}"),
+              constrained(choice=["the lazy dog"]), SamplingParams(max_tokens=10, temperature=0.9, seed=11)]
+    reference = engine.generate(prompts, params)
+    fault("grammar_mask", "bad")
+    ids = [engine.add_request(p, q, request_id=f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+    engine.add_request(PROMPT, constrained(regex="[a-z]{20}"), request_id="bad")
+    engine.run_until(lambda: all(engine.request(i).finished for i in ids + ["bad"]))
+    bad = engine.output("bad")
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert [engine.output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+    for i in ids + ["bad"]:
+        engine.release(i)
+    assert engine.stats()["num_errors"] == 0
     assert_idle(engine)
 
 

@@ -15,6 +15,14 @@
 
 The core takes validated Requests (`input_processor`) and knows no text: stop strings and
 detokenizing are the output processor's.
+
+Failures end the requests they belong to with `error`, and the engine goes on: a request whose
+scheduling raises (see `scheduler`), whose grammar's mask or matcher raises, ends alone. A step
+that fails (at dispatch, or where its tokens are collected) ends the requests of the steps not yet
+collected; the pages those steps put in the prefix cache, at dispatch or once a pending token
+reached the host, lose their hashes (their K/V may never have been written), and a request that
+took one as a prefix-cache hit meanwhile is recomputed. A pool the failure consumed or left in
+error is replaced, and every running request is recomputed.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
 from jaxserve.engine.batching.request import PENDING
 from jaxserve.engine.grammars import GrammarMatchers
+from jaxserve.faults import faults
 from jaxserve.model.config import ModelConfig
 from jaxserve.worker.runner import Runner
 from jaxserve.worker.sampling import STOP_IDS, SamplingBatch, sampling_mode
@@ -108,7 +117,7 @@ class EngineCore:
         try:
             schedule = self.scheduler.schedule()
             finished += schedule.failed
-            launched = self._launch(schedule) if not schedule.empty else None
+            launched = self._launch(schedule, finished) if not schedule.empty else None
             if self._in_flight is not None:
                 finished += self._collect(*self._in_flight)
             self._in_flight = launched
@@ -121,12 +130,12 @@ class EngineCore:
             self.num_errors += 1
             failed = ([schedule] if schedule else []) + ([self._in_flight[0]] if self._in_flight else [])
             self._in_flight = None
-            for s in failed:  # their K/V may never have been written, whether or not the pool survived
-                self.blocks.forget(s.cached_pages)
             for request in {r: None for s in failed for r in s.num_tokens}:
                 if not request.finished:
                     self.scheduler.finish(request, FinishReason.ERROR)
                     finished.append(request)
+            # Their K/V may never have been written, whether or not the pool survived.
+            finished += self.scheduler.forget([p for s in failed for p in s.cached_pages])
             if self.runner.recover():  # a zeroed pool: no computed token or cached page is in it any more
                 finished += self.scheduler.preempt_all()
                 self.blocks.reset_prefix_cache()
@@ -135,9 +144,10 @@ class EngineCore:
         self.idle = (schedule is None or schedule.empty) and self._in_flight is None
         return finished
 
-    def _launch(self, schedule):
+    def _launch(self, schedule, finished: list[Request]):
         """Builds and dispatches a step, and advances the scheduler past it. When every request
-        decodes and none needs the host after each token, the step runs several decode steps."""
+        decodes and none needs the host after each token, the step runs several decode steps.
+        A request whose grammar's mask cannot be computed ends with `error` (into `finished`)."""
         steps = self.config.decode_steps
         if steps > 1 and schedule.num_decodes == len(schedule.num_tokens) and not self.scheduler.table.num_host_steps:
             self.scheduler.look_ahead(schedule, steps)
@@ -145,8 +155,12 @@ class EngineCore:
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
         if constrained:
-            batch.allowed = self.grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
-                                               len(batch.sample_slots))
+            batch.allowed, failed = self.grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
+                                                       len(batch.sample_slots))
+            for request_id in failed:  # ended before the step runs: it writes their freed pages, as after an abort
+                request = next(r for _, r in constrained if r.request_id == request_id)
+                self.scheduler.finish(request, FinishReason.ERROR)
+                finished.append(request)
         want_logprobs = (self.scheduler.table.num_host_steps > 0  # a request with logprobs is one of those
                          and any(r.params.logprobs is not None for r in schedule.sampling))
         in_flight = self.runner.dispatch(batch, logprobs=want_logprobs)
@@ -193,14 +207,23 @@ class EngineCore:
     def _collect(self, schedule, rows, in_flight, constrained=()) -> list[Request]:
         """Brings a dispatched step's tokens to the host and commits them; the constrained
         requests' matchers consume theirs."""
+        if faults.armed:
+            for request in schedule.num_tokens:
+                faults.check("device_step", request.request_id)
         out = self.runner.collect(in_flight)
         tokens = out.tokens[..., rows]  # [n], or [steps, n] for several decode steps
         live = [(i, r) for i, r in constrained if not r.finished]  # not aborted meanwhile
         logprobs = None if out.logprobs is None else _logprob_dicts(out.logprobs, rows, list(schedule.num_tokens))
         finished = self.scheduler.commit(schedule, tokens, logprobs)
         for i, request in live:
-            if self._advance_grammar(request, int(tokens[i])):
-                finished.append(request)
+            try:
+                if self._advance_grammar(request, int(tokens[i])):
+                    finished.append(request)
+            except Exception:  # noqa: BLE001 — this request's matcher failed, not the step: it ends alone
+                log.exception("request %s: its grammar failed on token %d", request.request_id, int(tokens[i]))
+                if not request.finished:
+                    self.scheduler.finish(request, FinishReason.ERROR)
+                    finished.append(request)
         return finished
 
     def _advance_grammar(self, request: Request, token: int) -> bool:

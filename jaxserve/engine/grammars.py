@@ -5,6 +5,7 @@ bitmask of the tokens each constrained row may sample next.
     each step that samples a constrained row:
         fill ─► int32 bitmask [R, ceil(V / 32)] (all bits set for every other row), filled in
                 parallel across rows by llguidance's executor ─► StepBatch.allowed ─► the sampler
+                (if that raises, row by row: a request whose row raises ends with `error`)
         the sampled token comes back ─► consume ─► done (the grammar allows nothing but EOS): the
                                         request ends with `stop`
     release or abort ─► remove
@@ -21,6 +22,7 @@ No jax here.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 import weakref
@@ -29,7 +31,9 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.engine.batching.structured_outputs import StructuredOutputs, short_error
+from jaxserve.faults import faults
 
+log = logging.getLogger(__name__)
 
 _BUILDS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()  # tokenizer -> builds
 _BUILDS_LOCK = threading.Lock()
@@ -118,16 +122,40 @@ class GrammarMatchers:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def fill(self, rows: Sequence[tuple[str, int]], num_rows: int) -> np.ndarray:
+    def fill(self, rows: Sequence[tuple[str, int]], num_rows: int) -> tuple[np.ndarray, list[str]]:
         """The bitmask [num_rows, M] of a step: row i of each (request id, i) in `rows` holds the
-        tokens that request may sample next; every other row allows every token."""
+        tokens that request may sample next; every other row allows every token. And the ids of
+        the requests whose mask could not be computed (logged; their rows allow every token)."""
         import llguidance.numpy as llnp
         start = time.perf_counter()
         mask = np.full((num_rows, self.words), -1, np.int32)
-        llnp.fill_next_token_bitmask_par(self._executor, [(self._matchers[r], i) for r, i in rows], mask)
+        failed = []
+        try:
+            if faults.armed:
+                for r, _ in rows:
+                    faults.check("grammar_mask", r)
+            llnp.fill_next_token_bitmask_par(self._executor, [(self._matchers[r], i) for r, i in rows], mask)
+        except Exception:  # noqa: BLE001 — find whose row it was: that request ends, the others keep their masks
+            log.exception("filling the token masks of %d constrained rows failed: filling them one by one", len(rows))
+            failed = self._fill_each(rows, mask)
         self.fill_seconds += time.perf_counter() - start
         self.fill_steps += 1
-        return mask
+        return mask, failed
+
+    def _fill_each(self, rows: Sequence[tuple[str, int]], mask: np.ndarray) -> list[str]:
+        """Fills the rows one at a time; returns the requests whose row raised."""
+        import llguidance.numpy as llnp
+        failed = []
+        for r, i in rows:
+            try:
+                if faults.armed:
+                    faults.check("grammar_mask", r)
+                llnp.fill_next_token_bitmask(self._matchers[r], mask, i)
+            except Exception:  # noqa: BLE001 — this request's grammar, not the step
+                log.exception("request %s: its grammar's token mask failed: it ends with error", r)
+                mask[i] = -1
+                failed.append(r)
+        return failed
 
     def consume(self, request_id: str, token: int) -> bool:
         """Advances a request's matcher past its sampled token; False if the grammar refuses it

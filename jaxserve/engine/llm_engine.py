@@ -180,7 +180,7 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         """The current state of a request as a RequestOutput."""
-        return self.outputs.output(self._requests[request_id])
+        return self.outputs.output(self._requests[request_id], self.scheduler.finish)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.engine.batching.request import FinishReason, Request, RequestOutput
+from jaxserve.faults import faults
 from jaxserve.tokenizer import DECODE_CONTEXT, IncrementalDetokenizer, Tokenizer, decode_after, first_stop
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class OutputText:
 
 class OutputProcessor:
     """Requests as users see them: the text of each, and its stop strings, which end it. Only
-    requests with stop strings are detokenized every step; the others once, when asked."""
+    requests with stop strings are detokenized every step; the others once, when asked. A request
+    whose stop-string pass or text raises ends alone with `error`."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
@@ -90,30 +92,31 @@ class OutputProcessor:
             if text.stopped or len(request.output_token_ids) == text.num_tokens:
                 continue
             try:
+                if faults.armed:
+                    faults.check("stop_strings", request_id)
                 text.add(request.output_token_ids[text.num_tokens:])
+                if text.stopped:
+                    if not request.finished:
+                        finish(request, FinishReason.STOP)
+                        finished.append(request)
+                    elif request.finish_reason is FinishReason.LENGTH:
+                        request.finish_reason = FinishReason.STOP  # the last token completed a stop string
             except Exception:  # noqa: BLE001 — this request's text failed, not the engine: it ends with `error`
-                log.exception("request %s: detokenizing for its stop strings failed", request_id)
+                log.exception("request %s: its pass for stop strings failed", request_id)
                 if not request.finished:
                     finish(request, FinishReason.ERROR)
                     finished.append(request)
-                continue
-            if text.stopped:
-                if not request.finished:
-                    finish(request, FinishReason.STOP)
-                    finished.append(request)
-                elif request.finish_reason is FinishReason.LENGTH:
-                    request.finish_reason = FinishReason.STOP  # the last token completed a stop string
         return finished
 
-    def output(self, r: Request) -> RequestOutput:
-        """The current state of a request as a RequestOutput."""
-        text = self._texts.get(r.request_id)
-        if text is not None and text.stopped:
-            text = text.final_text
-        elif self.tokenizer is None:
-            text = ""
-        else:
-            text = decode_after(self.tokenizer, r.prompt_token_ids[-DECODE_CONTEXT:], r.output_token_ids)
+    def output(self, r: Request, finish) -> RequestOutput:
+        """The current state of a request as a RequestOutput. If its text cannot be had, it ends
+        (through `finish(request, reason)`, if running) or is marked with `error`, its text empty."""
+        try:
+            text = self._text(r)
+        except Exception:  # noqa: BLE001 — this request's text failed: it alone ends with `error`
+            log.exception("request %s: detokenizing its output failed", r.request_id)
+            finish(r, FinishReason.ERROR)
+            r.finish_reason, text = FinishReason.ERROR, ""
         return RequestOutput(
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=list(r.output_token_ids),
             text=text, finish_reason=r.finish_reason.value if r.finish_reason else None,
@@ -121,3 +124,13 @@ class OutputProcessor:
             latency_s=None if r.finish_time is None else r.finish_time - r.arrival_time,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
             num_cached_tokens=r.num_cached_tokens or 0)
+
+    def _text(self, r: Request) -> str:
+        if faults.armed:
+            faults.check("detokenize", r.request_id)
+        text = self._texts.get(r.request_id)
+        if text is not None and text.stopped:
+            return text.final_text
+        if self.tokenizer is None:
+            return ""
+        return decode_after(self.tokenizer, r.prompt_token_ids[-DECODE_CONTEXT:], r.output_token_ids)

@@ -269,7 +269,7 @@ class EngineClient:
             self.metrics.generation_tokens.inc(len(tokens))
             if finish is not None:
                 self.metrics.observe_finished(finish, timings)
-        self.subscribers.deliver(outputs)
+        self.abort(self.subscribers.deliver(outputs))  # what could not be delivered ends in the engine too
         if stats is not None:
             self.metrics.observe_engine(stats)
 

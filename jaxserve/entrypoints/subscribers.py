@@ -2,6 +2,7 @@
 command's future, each on the event loop of the handler that made it.
 
     receiver thread ─► deliver(outputs): one list of Deltas per queue, one wake-up per event loop per step
+                                         (a request whose output cannot be handed over ends alone with `error`)
                     ─► answer(replies): resolves the futures of `add` and `call` commands
                     ─► end_all(why): the engine is gone, every request and command ends here
 
@@ -14,10 +15,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 from typing import Sequence
 
 from jaxserve.errors import EngineDeadError
+from jaxserve.faults import faults
+
+log = logging.getLogger(__name__)
+UNDELIVERED = "the server failed to deliver this request's output"
 
 
 @dataclasses.dataclass
@@ -82,16 +88,31 @@ class Subscribers:
             if future is not None:
                 _safe_call(loop, _resolve, future, reply[2], None if reply[0] == "added" else reply[3])
 
-    def deliver(self, outputs: list[tuple]) -> None:
+    def deliver(self, outputs: list[tuple]) -> list[str]:
         """Hands one step's outputs, (request id, tokens, logprobs, finish, cached, timings)
-        each, to their queues; a finished request is forgotten."""
+        each, to their queues; a finished request is forgotten. A request whose output raises
+        here ends with `error` (logged) and the others are delivered; returns the ids of those
+        of them still running in the engine, for it to abort."""
         batches: _Batches = {}
+        failed = []
         with self._lock:
             for request_id, tokens, logprobs, finish, cached, _ in outputs:
-                sub = self._requests.pop(request_id, None) if finish is not None else self._requests.get(request_id)
-                if sub is not None:  # else its client has gone
-                    _add(batches, sub, Delta(sub.index, tokens, logprobs, finish, cached))
+                try:
+                    if faults.armed:
+                        faults.check("receive", request_id)
+                    sub = self._requests.pop(request_id, None) if finish is not None else \
+                        self._requests.get(request_id)
+                    if sub is not None:  # else its client has gone
+                        _add(batches, sub, Delta(sub.index, tokens, logprobs, finish, cached))
+                except Exception:  # noqa: BLE001 — this request's output, not the batch: it ends alone
+                    log.exception("delivering the output of request %s failed: it ends with error", request_id)
+                    sub = self._requests.pop(request_id, None)
+                    if sub is not None:
+                        _add(batches, sub, Delta(sub.index, [], None, "error", error=UNDELIVERED))
+                    if finish is None:
+                        failed.append(request_id)
         _send(batches)
+        return failed
 
     def end_all(self, why: str, reason: str) -> list[str]:
         """Ends every subscribed request with `reason` and fails every pending command with

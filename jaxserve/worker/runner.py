@@ -277,13 +277,15 @@ class Runner:
         return self.programs.warmup(self.all_programs(), progress, workers)
 
     def recover(self) -> bool:
-        """After a failed step, which may have consumed the donated pool: fresh state if so.
-        Returns whether the pool is a new, zeroed one (every K/V it held is gone)."""
-        if self.slot_tokens.is_deleted():
+        """After a failed step: fresh state for what it consumed (the donated pool, tables, slot
+        tokens) or left in error (a step that failed on the device hands its error to its
+        outputs, which are not deleted, and to every step that reads them). Waits for the steps
+        already dispatched. Returns whether the pool is a new, zeroed one (every K/V it held is gone)."""
+        if _lost(self.slot_tokens):
             self.slot_tokens = self._zeros_slot_tokens()
-        if any(x.is_deleted() for x in jax.tree.leaves(self.slot_sampling)):
+        if any(map(_lost, jax.tree.leaves(self.slot_sampling))):
             self.slot_sampling = self._greedy_slot_sampling()  # the engine writes every running slot's again
-        if not self.block_tables.is_deleted() and not any(x.is_deleted() for x in self.kv_pool):
+        if not _lost(self.block_tables) and not any(map(_lost, self.kv_pool)):
             return False
         self.block_tables = self._zeros_tables()  # their entries are rewritten as the requests run again
         self.kv_pool = allocate_kv_pool(self.model_config, self.config.num_pages, self.config.page_size,
@@ -330,6 +332,17 @@ class Runner:
         if found is None:
             found = self._batch_shardings[shape] = sharding.batch_sharding(self.mesh, shape)
         return found
+
+
+def _lost(x: jax.Array) -> bool:
+    """Whether a device array was consumed (donated) or holds the error of the step that made it."""
+    if x.is_deleted():
+        return True
+    try:
+        x.block_until_ready()
+    except Exception:  # noqa: BLE001 — whatever the device reported: the array holds no values
+        return True
+    return False
 
 
 def _to_host(arrays: tuple) -> list[np.ndarray]:

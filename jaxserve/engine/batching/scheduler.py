@@ -23,7 +23,14 @@ them in the cache; a finished, aborted or preempted request's pages stay there u
 A request whose next page another running request is computing waits for it (paged and
 continuous only), so a prefix shared by many requests that arrive together is computed once.
 When the pool's K/V are lost (a failed step consumed it), `preempt_all` sends every running
-request back to be recomputed.
+request back to be recomputed; when a failed step's pages may hold K/V never written, `forget`
+drops their hashes and sends back whoever reads them.
+
+A request whose own scheduling raises (its admission, page growth, sliding-window pass) ends alone
+with `error`. An exception that no request's code raised (the policy's count, filling the budget)
+ends the requests this schedule admitted, the newest state, which is most likely to hold the bug;
+if it admitted none, the running requests, so that a fault that repeats cannot stall the engine
+with requests that never end.
 
 The slot table (`slot_table`) records what changed per slot (block-table entries, sampling
 parameters) for the runner, which keeps the tables on the device; the prefix cache's bookkeeping
@@ -50,6 +57,7 @@ from jaxserve.engine.batching.prefix_cache import PrefixCache
 from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.batching.slot_table import SlotTable
 from jaxserve.engine.batching.stop_ids import StopIds
+from jaxserve.faults import faults
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +119,9 @@ class Scheduler:
         self.prefix = PrefixCache(blocks, self.kv)
         self._failed: list[Request] = []  # this schedule's requests whose scheduling raised
         self.stop_ids = StopIds(config.eos_token_ids)  # those that end some unfinished request
-        self._unrecorded: dict[Request, None] = {}  # filled a page whose last token was on the device at `advance`
+        # Filled a page whose last token was on the device at `advance`: the schedule whose step
+        # writes that page's K/V, which then lists the page among its cached_pages when recorded.
+        self._unrecorded: dict[Request, Schedule] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission ...
         self.prefix_cache_hits = 0  # ... and found
@@ -138,16 +148,28 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         """The next step. A request whose own scheduling raises ends with `error` (in
-        `Schedule.failed`, logged), and the others are scheduled as if it had never been."""
-        self._failed = []
-        if self.kv.has_windows:
-            self._drop_out_of_window()
-        decodes, chunks, preempted = self._grow_running()
-        admitted = [] if preempted else self._admit()
-        for request in admitted:
-            left = request.num_uncomputed_tokens
-            decodes.append(request) if left == 1 else chunks.append((request, left))
-        schedule = self._fill_budget(decodes, chunks, admitted, preempted)
+        `Schedule.failed`, logged), and the others are scheduled as if it had never been. An
+        exception no request's code raised ends those this schedule admitted (or, if none, the
+        running ones) with `error`, and the step runs nothing."""
+        self._failed, admitted = [], []
+        try:
+            if self.kv.has_windows:
+                self._drop_out_of_window()
+            decodes, chunks, preempted = self._grow_running()
+            if not preempted:
+                self._admit(admitted)
+            for request in admitted:
+                left = request.num_uncomputed_tokens
+                decodes.append(request) if left == 1 else chunks.append((request, left))
+            schedule = self._fill_budget(decodes, chunks, admitted, preempted)
+        except Exception:  # noqa: BLE001 — no request's own code raised: see the module's docstring
+            log.exception("scheduling failed outside any one request's part: %s end with error",
+                          "the requests it admitted" if admitted else "the running requests")
+            for request in admitted or list(self.running):
+                if not request.finished:
+                    self.finish(request, FinishReason.ERROR)
+                    self._failed.append(request)
+            schedule = Schedule({}, [], [])
         schedule.failed = self._failed
         return schedule
 
@@ -237,6 +259,8 @@ class Scheduler:
     def _add_pages(self, request: Request, total: int, preempted: list[Request]) -> None:
         """Gives a running request the pages its `total` tokens need, preempting the newest
         (maybe itself) while the pool is short."""
+        if faults.armed:
+            faults.check("schedule", request.request_id)
         lengths = [len(t) for t in request.pages]
         needed = self.kv.pages_to_add(lengths, request.num_computed_tokens, total)
         while needed > 0 and not self.blocks.can_allocate(needed):
@@ -255,9 +279,16 @@ class Scheduler:
         self.kv.grow(request, end)
         self.table.write_pages(request.slot, request, lengths)
 
-    def _admit(self) -> list[Request]:
-        admitted, held_back = [], []
-        allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
+    def _admit(self, admitted: list[Request]) -> None:
+        """Admits waiting requests into `admitted` (filled as it goes: a failure later in the
+        schedule knows whom it admitted)."""
+        held_back = []
+        try:
+            allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
+        except Exception:  # noqa: BLE001 — the policy was deciding about the queue's head: it ends, the rest wait
+            if self.waiting:
+                self._fail(self.waiting.popleft())
+            return
         while allowed > 0 and self.waiting and self._free_slots:
             request = self.waiting.popleft()
             try:
@@ -271,11 +302,12 @@ class Scheduler:
                 admitted.append(request)
                 allowed -= 1
         self.waiting.extendleft(reversed(held_back))
-        return admitted
 
     def _admit_one(self, request: Request, held_back: list[Request]) -> bool | None:
         """Admits a request taken from the queue: True; False when it is held back for a prefix
         being computed; None when the pool is short (it goes back to the queue's head)."""
+        if faults.armed:
+            faults.check("schedule", request.request_id)
         page_size = self.blocks.page_size
         hit, tables, hashes = self.prefix.hits(request)
         if self.policy.waits_for_shared_prefix and self.prefix.being_computed(hashes, hit):
@@ -334,6 +366,24 @@ class Scheduler:
             self._preempt(request)
         return lost
 
+    def forget(self, pages: list[int]) -> list[Request]:
+        """For a failed step: the K/V of `pages` may never have been written. Forgets their
+        hashes, and sends each running request that reads one back to be recomputed (a prefix-cache
+        hit taken after the step was dispatched, by a request that has run nothing since); one
+        whose sampled token is still on the device cannot be, and ends with `error`. Returns those."""
+        if not pages:
+            return []
+        self.blocks.forget(pages)
+        lost = set(pages)
+        readers = [r for r in self.running if any(p in lost for table in r.pages for p in table)]
+        failed = [r for r in readers if r.num_pending_tokens]
+        for request in failed:
+            self.finish(request, FinishReason.ERROR)
+        for request in readers[::-1]:  # newest first: each goes to the front of the queue
+            if not request.finished:
+                self._preempt(request)
+        return failed
+
     # ---- results ----
 
     def update(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
@@ -358,7 +408,7 @@ class Scheduler:
             if caching and computed // page_size > request.num_cached_pages:  # a page filled (a few a step)
                 schedule.cached_pages += self.prefix.record(request)  # forgotten if the step fails
                 if self.prefix.behind(request):  # its last token is on the device: at the next commit
-                    self._unrecorded[request] = None
+                    self._unrecorded[request] = schedule
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
@@ -386,9 +436,9 @@ class Scheduler:
             else:
                 request.num_pending_tokens -= 1
                 request.output_token_ids.append(token)
-        for request in list(self._unrecorded):
-            if not request.finished:
-                self.prefix.record(request)
+        for request, computed_by in list(self._unrecorded.items()):
+            if not request.finished:  # that step may still be running: forgotten with it if it fails
+                computed_by.cached_pages += self.prefix.record(request)
             if request.finished or not self.prefix.behind(request):
                 del self._unrecorded[request]
         return finished
