@@ -27,10 +27,10 @@ request back to be recomputed; when a failed step's pages may hold K/V never wri
 drops their hashes and sends back whoever reads them.
 
 A request whose own scheduling raises (its admission, page growth, sliding-window pass) ends alone
-with `error`. An exception that no request's code raised (the policy's count, filling the budget)
-ends the requests this schedule admitted, the newest state, which is most likely to hold the bug;
-if it admitted none, the running requests, so that a fault that repeats cannot stall the engine
-with requests that never end.
+with `error`; the policy raising ends the queue's head, whose admission it was deciding. An
+exception that no request's code raised (filling the budget) ends the requests this schedule
+admitted, the newest state, which is most likely to hold the bug; if it admitted none, the running
+requests, so that a fault that repeats cannot stall the engine with requests that never end.
 
 The slot table (`slot_table`) records what changed per slot (block-table entries, sampling
 parameters) for the runner, which keeps the tables on the device; the prefix cache's bookkeeping
