@@ -20,7 +20,9 @@ fails on the host before it is sent has touched no device, and the engine goes o
 
 Settings: --num-processes, --process-id, --coordinator HOST:PORT, or else JAX_NUM_PROCESSES,
 JAX_PROCESS_ID and JAX_COORDINATOR_ADDRESS (the last is the one jax.distributed.initialize reads
-itself; jax 0.10 takes the other two only from cluster environments such as SLURM).
+itself; jax 0.10 takes the other two only from cluster environments such as SLURM). Every process
+also reads the group's secret, which keeps strangers off the step channel: $JAXSERVE_STEP_SECRET, or
+the file $JAXSERVE_STEP_SECRET_FILE names (step_channel_auth.py); without it the group refuses to start.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ CONNECT_TIMEOUT_S = 120.0  # for the followers to reach the leader's step channe
 @dataclasses.dataclass(frozen=True)
 class Group:
     """This process's place in a group of `num_processes`, whose process 0 runs the coordination
-    service at `coordinator` (HOST:PORT, reachable from every process)."""
+    service at `coordinator` (HOST:PORT, reachable from every process). Only holders of `secret`
+    may join its step channel."""
 
     num_processes: int
     process_id: int
     coordinator: str
+    secret: bytes = dataclasses.field(repr=False, compare=False)  # the step channel's (step_channel_auth.py)
 
     def __post_init__(self):
         if self.num_processes < 2:
@@ -74,7 +78,8 @@ class Group:
 def group_from(num_processes: int | None = None, process_id: int | None = None, coordinator: str | None = None,
                environ: Mapping[str, str] = os.environ) -> Group | None:
     """The group the flags (or, for those not given, the environment) ask for; None for one process.
-    Raises ValueError on an incomplete or inconsistent setting."""
+    Raises ValueError on an incomplete or inconsistent setting, or without the group's secret (read
+    from the environment only: a flag would show it to every user of the host)."""
     flags = {"num_processes": num_processes, "process_id": process_id, "coordinator": coordinator}
     values = dict(flags)
     for name, var in ENV.items():
@@ -105,7 +110,9 @@ def group_from(num_processes: int | None = None, process_id: int | None = None, 
     if values["coordinator"] is None:
         raise ValueError(f"a group of {n} processes needs --coordinator HOST:PORT (or {ENV['coordinator']}): "
                          "process 0's address as every process reaches it, and a free port there")
-    return Group(n, values["process_id"], values["coordinator"])
+    from jaxserve.distributed import step_channel_auth  # here: one process needs neither zmq nor a secret
+    step_channel_auth.require_curve()
+    return Group(n, values["process_id"], values["coordinator"], step_channel_auth.read_secret(environ))
 
 
 # ---- start-up, in every process ----
@@ -122,12 +129,12 @@ def start(group: Group, build: Callable[[], Any], fatal: Callable[[str], None]) 
     jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id)
     log.info("process %d of %d joined the group at %s: %d local devices of %d", group.process_id,
              group.num_processes, group.coordinator, jax.local_device_count(), jax.device_count())
-    channel = step_channel.Leader(group.num_processes - 1, group.host, fatal) if group.is_leader else None
+    channel = step_channel.Leader(group.num_processes - 1, group.host, group.secret, fatal) if group.is_leader else None
     port = int(multihost_utils.broadcast_one_to_all(np.int32(channel.port if channel else 0)))
     if channel is not None:
         channel.wait_for_followers(CONNECT_TIMEOUT_S)
     else:
-        channel = step_channel.Follower(f"tcp://{group.host}:{port}", fatal)
+        channel = step_channel.Follower(f"tcp://{group.host}:{port}", group.secret, group.process_id, fatal)
         channel.wait_connected(CONNECT_TIMEOUT_S)
     engine = build()
     _check_same_engine(group, engine, fatal)

@@ -13,9 +13,15 @@ message, the leader does not wait for it, and a closed connection is seen at onc
 Arrays travel as raw bytes under a JSON header, never pickled: the port is open to the group's
 network, and a follower must not run code that arrives there.
 
+Only the group's processes may connect (step_channel_auth.py: CURVE keys derived from a shared
+secret). The leader knows each follower by its key, and learns the connection it came on from its
+subscription; a stranger never completes the handshake, so it never subscribes, receives nothing,
+and its connect, bytes and disconnect change nothing.
+
 A process that dies closes its connections. Each side watches its socket's connection events (a
 ZMQ monitor, in a thread of its own: the main thread may be blocked in a collective that the dead
-process will never join) and calls `fatal(why)`, which ends the process. ZMTP heartbeats turn a host
+process will never join) and calls `fatal(why)`, which ends the process, when the connection that
+closed was a follower's (on the leader) or the leader's (on a follower). ZMTP heartbeats turn a host
 that vanished without closing its connections (power, network) into the same event.
 """
 
@@ -33,6 +39,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from jaxserve.distributed import step_channel_auth
 from jaxserve.model.paged_attention import StepMetadata
 from jaxserve.worker.sampling import SamplingBatch
 from jaxserve.worker.step_batch import StepBatch
@@ -98,9 +105,20 @@ def _heartbeats(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
 
 
-def _watch(sock: zmq.Socket, on_event: Callable[[int], bool], name: str) -> threading.Thread:
-    """Calls `on_event(event)` in a thread for each connection event of `sock` until it returns False."""
-    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A socket that receives `sock`'s connection `events`, none dropped however many wait unread
+    (a scan of the port must not push a follower's event out)."""
+    address = f"inproc://monitor.{sock.underlying:x}"
+    sock.monitor(address, events)
+    monitor = sock.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)
+    monitor.connect(address)
+    return monitor
+
+
+def _watch(sock: zmq.Socket, events: int, on_event: Callable[[int], bool], name: str) -> threading.Thread:
+    """Calls `on_event(event)` in a thread for each of `events` on `sock` until it returns False."""
+    monitor = _monitor(sock, events)
 
     def run():
         try:
@@ -129,45 +147,121 @@ def bind_address(host: str) -> str:
 
 class Leader:
     """Process 0's end: sends each step to every follower. Its socket is used by one thread (the
-    engine's); connection events are watched in another, which calls `fatal` when a follower goes."""
+    engine's). Until every follower has subscribed, that thread also answers the gatekeeper and reads
+    the connection events; then a thread of its own does, and calls `fatal` when a follower goes."""
 
-    def __init__(self, followers: int, host: str, fatal: Callable[[str], None]):
+    def __init__(self, followers: int, host: str, secret: bytes, fatal: Callable[[str], None]):
+        step_channel_auth.require_curve()
         self.followers, self.fatal = followers, fatal
         self.context = zmq.Context()
+        self.gatekeeper = step_channel_auth.Gatekeeper(self.context, secret, followers)  # before the port opens
         self.socket = self.context.socket(zmq.XPUB)
+        self.socket.curve_server = True
+        self.socket.curve_secretkey = step_channel_auth.leader_keys(secret).secret
+        self.socket.zap_domain = b"jaxserve-step-channel"  # with a domain and this, no gatekeeper: no entry
+        self.socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a step: a follower that lags still gets it
-        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every follower's subscription reaches us
+        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every follower's subscription reaches us, with its id
         self.socket.setsockopt(zmq.IPV6, 1)
         _heartbeats(self.socket)
+        self.connections = _monitor(self.socket, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.open: set[int] = set()  # every connection open now (file descriptors), strangers' too
+        self.members: dict[int, str] = {}  # a follower's connection -> its process id
         interface = bind_address(host)
         self.port = self.socket.bind_to_random_port(f"tcp://{interface}")
         self.where = f"{interface}:{self.port}"
         self.stopping = False
         self._gone = threading.Semaphore(0)  # released once per follower that disconnects while stopping
-        _watch(self.socket, self._on_event, "jaxserve-followers")
+        self._watcher: threading.Thread | None = None
 
-    def _on_event(self, event: int) -> bool:
-        if event == zmq.EVENT_DISCONNECTED:
-            if self.stopping:
-                self._gone.release()
-            else:
-                who = "the follower (process 1)" if self.followers == 1 else f"a follower (of processes 1 to {self.followers})"
-                self.fatal(f"{who} closed its connection to the leader: it died, was stopped, or its host is "
-                           "unreachable (its own log says which); the group cannot run a step without it, so it stops")
+    def _on_connection_events(self) -> bool:
+        """Reads every connection event queued; False once a follower's connection closed unasked."""
+        while self.connections.poll(0):
+            event = recv_monitor_message(self.connections)
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.open.add(fd)
+                continue
+            self.open.discard(fd)
+            who = self.members.pop(fd, None)
+            if who is not None and not self._lost(who):  # None: a stranger, or a handshake never finished
                 return False
+        return True
+
+    def _lost(self, who: str) -> bool:
+        """A follower's connection closed: on stop, one fewer to wait for; else the group ends (False)."""
+        if self.stopping:
+            self._gone.release()
+            return True
+        which = "the follower (process 1)" if self.followers == 1 else f"the follower process {who}"
+        self.fatal(f"{which} closed its connection to the leader: it died, was stopped, or its host is "
+                   "unreachable (its own log says which); the group cannot run a step without it, so it stops")
+        return False
+
+    def _on_subscription(self, frame: zmq.Frame) -> bool:
+        """Counts a subscription's sender if the gatekeeper named it (only followers have a
+        `User-Id`); False if that follower is gone already."""
+        try:
+            who = frame.get("User-Id")
+        except zmq.ZMQError:
+            return True
+        fd = frame.get(zmq.SRCFD)  # the connection it came on (a property of each connection's messages)
+        # The events queued before this subscription first: a stranger's connection that closed may
+        # have left its file descriptor to this follower's, and its end must not be taken for this one's.
+        if not self._on_connection_events():
+            return False
+        if fd not in self.open:  # it closed before we read its subscription
+            return self._lost(who)
+        if who in self.members.values():
+            log.warning("a second connection of follower process %s to the leader's step channel", who)
+        self.members[fd] = who
         return True
 
     def wait_for_followers(self, timeout: float) -> None:
         """Returns once every follower has subscribed (so no step is lost); `fatal` past `timeout`."""
-        deadline, subscribed = time.monotonic() + timeout, 0
-        while subscribed < self.followers:
-            if not self.socket.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                self.fatal(f"{self.followers - subscribed} of {self.followers} follower(s) did not connect to the "
-                           f"leader's step channel ({self.where}) within {timeout:g} s: is that port reachable "
-                           "from their hosts?")
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        for sock in (self.socket, self.gatekeeper.socket, self.connections):
+            poller.register(sock, zmq.POLLIN)
+        while len(set(self.members.values())) < self.followers:
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}  # a flood does not delay it
+            if not ready:
+                missing = self.followers - len(set(self.members.values()))
+                self.fatal(f"{missing} of {self.followers} follower(s) did not join the leader's step channel "
+                           f"({self.where}) within {timeout:g} s: is that port reachable from their hosts, and "
+                           f"does every process read the same {step_channel_auth.SECRET_ENV}?")
                 return
-            if self.socket.recv()[:1] == b"\x01":  # a subscription (b"\x00": its end)
-                subscribed += 1
+            if self.gatekeeper.socket in ready:
+                self.gatekeeper.answer()
+            if not self._on_connection_events():
+                return
+            if self.socket in ready:
+                frame = self.socket.recv(copy=False)
+                # b"\x01": a subscription; b"\x00" its end, whose connection's end we see anyway
+                if frame.bytes[:1] == b"\x01" and not self._on_subscription(frame):
+                    return
+        self._watcher = threading.Thread(target=self._watch, name="jaxserve-followers", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """From the group's start to its end, in a thread of its own: answers the gatekeeper (a
+        stranger waits for no one) and ends the group when a follower's connection closes."""
+        poller = zmq.Poller()
+        poller.register(self.gatekeeper.socket, zmq.POLLIN)
+        poller.register(self.connections, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self.gatekeeper.socket in ready:
+                    self.gatekeeper.answer()
+                if self.connections in ready and not self._on_connection_events():
+                    break
+        except zmq.ZMQError:  # the context is ending
+            pass
+        finally:
+            self.gatekeeper.socket.close(linger=0)
+            self.connections.close(linger=0)
 
     def send_step(self, batch: StepBatch, logprobs: bool) -> None:
         self.socket.send_multipart(encode_step(batch, logprobs), copy=False)
@@ -176,36 +270,53 @@ class Leader:
         """Tells the followers to stop, waits a moment for them to disconnect, and closes."""
         if self.stopping:
             return
-        self.stopping = True
+        self.stopping, connected = True, len(self.members)
         self.socket.send_multipart(encode_stop(reason))
         deadline = time.monotonic() + STOP_WAIT_S
-        for _ in range(self.followers):
+        for _ in range(connected):
             if not self._gone.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 break
         self.socket.close(linger=1000)
+        if self._watcher is None:  # the group never formed: the watcher's sockets are still ours
+            self.gatekeeper.socket.close(linger=0)
+            self.connections.close(linger=0)
         self.context.term()
 
 
 class Follower:
-    """A follower's end: receives the leader's steps; `fatal` when the leader's connection closes."""
+    """A follower's end: receives the leader's steps; `fatal` when the leader refuses this process
+    (another secret) or its connection closes."""
 
-    def __init__(self, address: str, fatal: Callable[[str], None]):
-        self.address, self.fatal = address, fatal
+    def __init__(self, address: str, secret: bytes, process_id: int, fatal: Callable[[str], None]):
+        step_channel_auth.require_curve()
+        self.address, self.process_id, self.fatal = address, process_id, fatal
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
+        keys = step_channel_auth.follower_keys(secret, process_id)
+        self.socket.curve_serverkey = step_channel_auth.leader_keys(secret).public
+        self.socket.curve_publickey, self.socket.curve_secretkey = keys.public, keys.secret
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.IPV6, 1)
         _heartbeats(self.socket)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.stopped = False
         self.connected = threading.Event()
-        _watch(self.socket, self._on_event, "jaxserve-leader")
+        _watch(self.socket, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
+               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED,
+               self._on_event, "jaxserve-leader")
         self.socket.connect(address)
 
     def _on_event(self, event: int) -> bool:
-        if event == zmq.EVENT_CONNECTED:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected.set()
-        elif event == zmq.EVENT_DISCONNECTED:
+            return True
+        if not self.connected.is_set():  # the leader ended the handshake: it does not know our key
+            self.fatal(f"the leader's step channel at {self.address} refused this process (process "
+                       f"{self.process_id}): its step secret differs from the leader's. Every process of the group "
+                       f"must read the same {step_channel_auth.SECRET_ENV} (or file named by "
+                       f"{step_channel_auth.SECRET_FILE_ENV})")
+            return False
+        if event == zmq.EVENT_DISCONNECTED:
             if not self.stopped:
                 self.fatal(f"the leader (process 0, {self.address}) closed its connection without telling this "
                            "process to stop: it died or its host is unreachable, so the group stops")
@@ -214,7 +325,7 @@ class Follower:
 
     def wait_connected(self, timeout: float) -> None:
         if not self.connected.wait(timeout):
-            self.fatal(f"could not connect to the leader's step channel at {self.address} within {timeout:g} s")
+            self.fatal(f"could not join the leader's step channel at {self.address} within {timeout:g} s")
 
     def receive(self) -> tuple:
         message = decode(self.socket.recv_multipart(copy=False))
