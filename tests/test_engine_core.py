@@ -24,6 +24,7 @@ class _Request:
     output_token_ids: list = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_cached_tokens: int | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
 from jaxserve.engine.batching.structured_outputs import closed_objects
 from jaxserve.worker.sampling import SamplingBatch, sample
+from jaxserve.engine import grammars
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.faults import faults
 from jaxserve.tokenizer import Tokenizer
@@ -50,7 +52,8 @@ def tokenizer(symbols_llama_dir):
 def assert_idle(engine):
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["used_pages"] == 0
-    assert len(engine.core.grammars) == 0, "a grammar matcher outlived its request"
+    assert len(engine.core.grammars) == engine.core.grammars.num_compiling == 0, "a grammar outlived its request"
+    assert not engine.core.compiling
 
 
 # ---- the spec ----
@@ -240,6 +243,76 @@ def test_abort_frees_the_matcher(engine):
     engine.abort(rid)
     assert rid not in engine.core.grammars and engine.output(rid).finish_reason == "abort"
     engine.release(rid)
+    assert_idle(engine)
+
+
+GATED = "[a-z]{7}"  # a grammar whose compile waits for the test (`gate`)
+
+
+@pytest.fixture
+def gate(engine, monkeypatch):
+    """Compiles of the regex GATED wait until `gate.set()`, then raise `gate.error` if set."""
+    gate = threading.Event()
+    gate.error = None
+    compile_now = engine.core.grammars._compile
+
+    def gated(spec):
+        if spec.regex == GATED:
+            gate.wait(30)
+            if gate.error is not None:
+                raise gate.error
+        return compile_now(spec)
+    monkeypatch.setattr(engine.core.grammars, "_compile", gated)
+    yield gate
+    gate.set()  # a compile nobody waits for any more ends
+
+
+def test_a_grammar_compiles_beside_the_loop_while_the_others_step(engine, gate):
+    slow, plain = constrained(regex=GATED), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    gate.set()
+    reference = engine.generate([PROMPT, "a dog"], [slow, plain])
+    gate.clear()
+    engine.add_request(PROMPT, slow, request_id="slow")
+    engine.add_request("a dog", plain, request_id="plain")
+    engine.run_until(lambda: engine.request("plain").finished)
+    assert engine.output("plain").token_ids == reference[1].token_ids
+    assert "slow" in engine.core.compiling and engine.stats()["waiting"] == 1 and engine.has_unfinished()
+    gate.set()
+    engine.run_until(lambda: engine.request("slow").finished)
+    out = engine.output("slow")
+    assert (out.token_ids, out.finish_reason) == (reference[0].token_ids, reference[0].finish_reason)
+    for request_id in ("slow", "plain"):
+        engine.release(request_id)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("how", ["fails", "too slow"])
+def test_a_grammar_that_fails_or_compiles_too_long_ends_alone_with_error(engine, gate, monkeypatch, how):
+    monkeypatch.setattr(grammars, "COMPILE_LIMIT_S", 0.2)
+    others = [constrained(regex="[a-z ]{3,12}"), SamplingParams(max_tokens=10, temperature=0.9, seed=11)]
+    reference = engine.generate([PROMPT, "yes"], others)
+    if how == "fails":
+        gate.error = ValueError("structured_outputs.regex is invalid: injected")
+        gate.set()
+    ids = [engine.add_request(p, q, request_id=f"r{i}") for i, (p, q) in enumerate(zip([PROMPT, "yes"], others))]
+    engine.add_request(PROMPT, constrained(regex=GATED), request_id="bad")
+    engine.run_until(lambda: all(engine.request(i).finished for i in ids + ["bad"]))
+    bad = engine.output("bad")
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert bad.error == ("structured_outputs.regex is invalid: injected" if how == "fails" else
+                         "its grammar took longer than 0.2 s to compile")
+    assert [engine.output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+    for request_id in ids + ["bad"]:
+        engine.release(request_id)
+    assert_idle(engine)
+
+
+def test_an_abort_while_the_grammar_compiles_ends_the_request(engine, gate):
+    engine.add_request(PROMPT, constrained(regex=GATED), request_id="waits")
+    engine.step()
+    engine.abort("waits")
+    assert engine.output("waits").finish_reason == "abort" and not engine.has_unfinished()
+    engine.release("waits")
     assert_idle(engine)
 
 
@@ -439,6 +512,24 @@ def test_bad_constraints_are_400_naming_the_field(server, extra, param, message)
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
     wait_idle(server)  # nothing was queued
+
+
+def test_a_grammar_that_fails_against_the_tokenizer_is_a_400_or_an_error_event(server):
+    """The grammar passes the check without a tokenizer, so the request is accepted; compiled
+    beside the engine loop against the tokenizer, it fails: that request alone ends, with the
+    reason in an OpenAI error body."""
+    import httpx
+    grammar = {"structured_outputs": {"grammar": 'start: <|not_a_token|> "a"'}}
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **grammar})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("structured_outputs.grammar is invalid")
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 4, "stream": True, **grammar}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "invalid_request_error"
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}).status_code == 200
 
 
 def test_tool_choice_returns_tool_calls(server):

@@ -7,7 +7,9 @@
     With async scheduling the host schedules and dispatches step N+1 while the device runs step N;
     a token is pending (sampled, still on the device) for one step, and a request that stops on
     EOS or a stop token may compute one token too many, which is dropped.
-    Structured output: before dispatch, the host fills the token bitmask of each constrained row
+    Structured output: a constrained request's grammar compiles beside the loop, the request held
+    here (`compiling`) until it is ready and then queued; one that fails or takes too long ends
+    with `error`. Before dispatch, the host fills the token bitmask of each constrained row
     that samples (GrammarMatchers.fill); once its token is on the host, the request's matcher
     consumes it, and a completed grammar ends the request. Its next mask needs that token, so a
     step that samples a constrained row is collected before the next one is scheduled (steps run
@@ -36,7 +38,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
-from jaxserve.engine.batching.request import PENDING
+from jaxserve.engine.batching.request import PENDING, RequestStatus
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.faults import faults
 from jaxserve.model.config import ModelConfig
@@ -47,6 +49,7 @@ from jaxserve.worker.step_batch import StepBatch, StepSeqs, build_step
 log = logging.getLogger(__name__)
 
 HISTORY_STEPS = 2048  # steps kept in EngineCore.history (minutes of a busy engine)
+_COMPILE_POLL_S = 0.005  # with only grammars compiling, how long a step waits for one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,29 +93,51 @@ class EngineCore:
         self.idle = True  # the last step had nothing to run
         self._in_flight = None  # the dispatched step whose tokens are not on the host yet
         self._sampling_mode = "greedy"  # the sample program every slot's parameters need
+        self.compiling: dict[str, Request] = {}  # requests whose grammar compiles, by id, not queued yet
         self.num_errors = 0
         self.num_steps = 0
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
 
     def add(self, request: Request) -> None:
-        """Queues a validated request; its grammar, if any, is compiled now, so one that fails
-        queues nothing (ValueError)."""
-        if request.params.structured_outputs is not None:
-            self.grammars.add(request.request_id, request.params.structured_outputs)
-        self.scheduler.add(request)
+        """Queues a validated request, or with a grammar starts compiling it: the request is
+        queued once it is ready (ValueError at once if the model has no tokenizer)."""
+        if request.params.structured_outputs is None:
+            self.scheduler.add(request)
+            return
+        self.grammars.start(request.request_id, request.params.structured_outputs)
+        self.compiling[request.request_id] = request
 
     def abort(self, request_id: str) -> None:
         """Ends a request with `abort` and frees its pages and grammar matcher (no-op if done)."""
-        self.scheduler.abort(request_id)
+        request = self.compiling.pop(request_id, None)
+        if request is not None:
+            _end_unqueued(request, FinishReason.ABORT, self.scheduler.clock())
+        else:
+            self.scheduler.abort(request_id)
         self.grammars.remove(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.compiling) or self.scheduler.has_unfinished()
+
+    def _queue_compiled(self) -> list[Request]:
+        """Queues the requests whose grammars are ready; returns those whose grammars failed,
+        ended with `error`. With nothing else to run, first waits a little for a compile to end
+        (the loop would only spin)."""
+        idle = self._in_flight is None and not self.scheduler.has_unfinished()
+        ready, failed = self.grammars.poll(timeout=_COMPILE_POLL_S if idle else 0.0)
+        for request_id in ready:
+            self.scheduler.add(self.compiling.pop(request_id))
+        ended = []
+        for request_id, why in failed.items():
+            ended.append(request := self.compiling.pop(request_id))
+            request.error = why
+            _end_unqueued(request, FinishReason.ERROR, self.scheduler.clock())
+        return ended
 
     def step(self) -> list[Request]:
         """One iteration: schedules and dispatches the next step, then collects the step before it
         (or, without async scheduling, this one). Returns the requests that finished."""
-        finished: list[Request] = []
+        finished: list[Request] = self._queue_compiled() if self.compiling else []
         schedule = None
         try:
             schedule = self.scheduler.schedule()
@@ -258,7 +283,7 @@ class EngineCore:
         scheduler, blocks, runner = self.scheduler, self.blocks, self.runner
         return {
             "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
+            "waiting": len(scheduler.waiting) + len(self.compiling),  # queued, or their grammars compiling
             "free_pages": blocks.free_pages,  # unreferenced, holding nothing reusable
             "cached_pages": blocks.cached_pages,  # unreferenced, holding a prefix-cache page
             "used_pages": blocks.used_pages,  # read by running requests
@@ -275,6 +300,11 @@ class EngineCore:
             "structured_output_mask_seconds": self.grammars.fill_seconds,  # host time filling token masks
             "structured_output_mask_steps": self.grammars.fill_steps,  # steps that filled one
         }
+
+
+def _end_unqueued(request: Request, reason: FinishReason, now: float) -> None:
+    """Ends a request the scheduler never held (its grammar was compiling): no slot, no page."""
+    request.status, request.finish_reason, request.finish_time = RequestStatus.FINISHED, reason, now
 
 
 def _logprob_dicts(logprobs, rows: np.ndarray, requests: list[Request]) -> list[dict]:

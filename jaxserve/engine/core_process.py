@@ -294,8 +294,8 @@ class _Core:
 
     def collect(self) -> list[tuple]:
         """(request id, new token ids, their logprobs or None, finish reason or None, prompt tokens
-        served from the prefix cache, timings or None) of every request with news; finished
-        requests are released."""
+        served from the prefix cache, timings or None, why it ended with error if its own input
+        was the cause or None) of every request with news; finished requests are released."""
         out = []
         for request_id, live in list(self.live.items()):
             r = live.request
@@ -305,7 +305,7 @@ class _Core:
             logprobs = r.logprobs[live.sent: n] if r.params.logprobs is not None else None
             finish = r.finish_reason.value if r.finished else None
             out.append((request_id, r.output_token_ids[live.sent: n], logprobs, finish, r.num_cached_tokens or 0,
-                        _timings(r, live.received) if r.finished else None))
+                        _timings(r, live.received) if r.finished else None, r.error))
             live.sent = n
             if r.finished:
                 del self.live[request_id]

@@ -134,7 +134,7 @@ class Engine:
         QueueFullError past `max_waiting`. `arrival_time` (time.monotonic) backdates a request that
         arrived while a step ran; requests with different `cache_salt`s never share prefix-cache pages."""
         request = self.inputs.request(prompt, params, request_id, group, arrival_time, cache_salt)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if len(self.scheduler.waiting) + len(self.core.compiling) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         if request.request_id in self._requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")

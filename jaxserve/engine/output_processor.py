@@ -123,7 +123,7 @@ class OutputProcessor:
             ttft_s=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
             latency_s=None if r.finish_time is None else r.finish_time - r.arrival_time,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-            num_cached_tokens=r.num_cached_tokens or 0)
+            num_cached_tokens=r.num_cached_tokens or 0, error=r.error)
 
     def _text(self, r: Request) -> str:
         if faults.armed:

@@ -23,6 +23,7 @@ class Choice:
         self.tops: list[list[tuple[str, float]]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with `error`, when the API process knows
+        self.invalid: str | None = None  # why the engine ended it with `error` for its own input
         self.emitted_tokens = 0
 
     @property
@@ -30,7 +31,7 @@ class Choice:
         return self.output.num_tokens
 
     def add(self, token_ids: list[int], logprobs: list[dict] | None, finish_reason: str | None,
-            num_cached_tokens: int, error: str | None = None) -> None:
+            num_cached_tokens: int, error: str | None = None, invalid: str | None = None) -> None:
         """Takes one step's new tokens (a Delta's fields)."""
         self.num_cached_tokens = num_cached_tokens
         if not self.want_logprobs:  # the common case: one decode for the whole step
@@ -46,7 +47,7 @@ class Choice:
                 self.tops.append([(text, v) for text, (_, v) in zip(texts, lp["top"])])
                 self.context = (self.context + [token])[-DECODE_CONTEXT:]
         if finish_reason is not None:
-            self.finish_reason, self.error = finish_reason, error
+            self.finish_reason, self.error, self.invalid = finish_reason, error, invalid
 
     def _token_texts(self, tokens: list[int]) -> list[str]:
         """The text each of `tokens` would add after the recent context."""

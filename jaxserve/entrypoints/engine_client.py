@@ -265,7 +265,7 @@ class EngineClient:
 
     def _on_batch(self, replies: list[tuple], outputs: list[tuple], stats: dict | None) -> None:
         self.subscribers.answer(replies)
-        for _, tokens, _, finish, _, timings in outputs:
+        for _, tokens, _, finish, _, timings, _ in outputs:
             self.metrics.generation_tokens.inc(len(tokens))
             if finish is not None:
                 self.metrics.observe_finished(finish, timings)

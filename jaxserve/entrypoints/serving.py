@@ -104,7 +104,7 @@ class Serving:
             c = self.choices[d.index]
             if c.num_tokens == 0 and d.token_ids:
                 self.client.metrics.api_ttft.observe(time.monotonic() - self.arrival)
-            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens, d.error)
+            c.add(d.token_ids, d.logprobs, d.finish_reason, d.num_cached_tokens, d.error, d.invalid)
             touched.add(d.index)
         return touched
 
@@ -123,6 +123,8 @@ class Serving:
             self.client.abort(self._unfinished())
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
         if failed is not None:
+            if failed.invalid is not None:  # the engine found the request's own input wanting (its grammar)
+                raise ApiError(400, failed.invalid, "invalid_request_error")
             if failed.error is not None:  # the engine is gone or the server is stopping: not this request's fault
                 raise ApiError(503, failed.error, "server_error")
             raise ApiError(500, "the engine failed while generating this request", "server_error")
@@ -170,8 +172,10 @@ class Serving:
                 events = []
                 for index in sorted(touched):
                     if self.choices[index].finish_reason == "error":
-                        why = self.choices[index].error or "the engine failed while generating"
-                        events.append(f"data: {json.dumps(error_body(why, 'server_error'))}\n\n")
+                        choice = self.choices[index]
+                        body = error_body(choice.invalid, "invalid_request_error") if choice.invalid else \
+                            error_body(choice.error or "the engine failed while generating", "server_error")
+                        events.append(f"data: {json.dumps(body)}\n\n")
                         continue
                     choice = self.choice_chunk(index)
                     if choice is not None:

@@ -36,6 +36,7 @@ class Delta:
     finish_reason: str | None
     num_cached_tokens: int = 0  # of the request's prompt, served from the prefix cache
     error: str | None = None  # why it ended with `error`, when this process decided it (the engine gone, a shutdown)
+    invalid: str | None = None  # why the engine ended it with `error` for its own input (its grammar)
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,21 +90,21 @@ class Subscribers:
                 _safe_call(loop, _resolve, future, reply[2], None if reply[0] == "added" else reply[3])
 
     def deliver(self, outputs: list[tuple]) -> list[str]:
-        """Hands one step's outputs, (request id, tokens, logprobs, finish, cached, timings)
-        each, to their queues; a finished request is forgotten. A request whose output raises
+        """Hands one step's outputs, (request id, tokens, logprobs, finish, cached, timings,
+        invalid) each, to their queues; a finished request is forgotten. A request whose output raises
         here ends with `error` (logged) and the others are delivered; returns the ids of those
         of them still running in the engine, for it to abort."""
         batches: _Batches = {}
         failed = []
         with self._lock:
-            for request_id, tokens, logprobs, finish, cached, _ in outputs:
+            for request_id, tokens, logprobs, finish, cached, _, invalid in outputs:
                 try:
                     if faults.armed:
                         faults.check("receive", request_id)
                     sub = self._requests.pop(request_id, None) if finish is not None else \
                         self._requests.get(request_id)
                     if sub is not None:  # else its client has gone
-                        _add(batches, sub, Delta(sub.index, tokens, logprobs, finish, cached))
+                        _add(batches, sub, Delta(sub.index, tokens, logprobs, finish, cached, invalid=invalid))
                 except Exception:  # noqa: BLE001 — this request's output, not the batch: it ends alone
                     log.exception("delivering the output of request %s failed: it ends with error", request_id)
                     sub = self._requests.pop(request_id, None)

@@ -50,6 +50,7 @@ class Request:
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why it ended with `error`, when its own input was the cause (its grammar)
     slot: int | None = None
     pages: list[list[int]] = dataclasses.field(default_factory=list)  # per group: page ids, 0 out of its window
     num_table_tokens: int = 0  # the tokens every group's table reaches: past them a step needs new pages
@@ -110,6 +111,7 @@ class RequestOutput:
     latency_s: float | None
     logprobs: list[dict] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why it ended with `error`, when its own input was the cause (its grammar)
 
     @property
     def num_prompt_tokens(self) -> int:
