@@ -166,6 +166,21 @@ def test_a_slow_request_template_fails_its_request_and_stalls_nothing(client, mo
         assert got["r"].json()["error"]["param"] == "chat_template"
 
 
+def test_a_large_answer_is_built_off_the_loop_and_equals_the_one_built_on_it(server, monkeypatch):
+    import threading
+    from jaxserve.entrypoints import offload, serving
+    body = {"prompt": "a b c", "max_tokens": 6, "n": 2, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    on_loop = post(server, "/v1/completions", body).json()
+    built_in, encode = [], serving._json
+    monkeypatch.setattr(serving, "_json", lambda *a: built_in.append(threading.current_thread().name) or encode(*a))
+    monkeypatch.setattr(offload, "LARGE_ANSWER_TOKENS", 11)  # 12 tokens: large
+    off_loop = post(server, "/v1/completions", body).json()
+    assert built_in[0].startswith("jaxserve-answer")
+    assert [c["text"] for c in off_loop["choices"]] == [c["text"] for c in on_loop["choices"]]
+    assert [c["logprobs"] for c in off_loop["choices"]] == [c["logprobs"] for c in on_loop["choices"]]
+    assert off_loop["usage"] == on_loop["usage"]
+
+
 def test_the_api_key_comes_from_the_environment(monkeypatch):
     from jaxserve.entrypoints.cli import build_parser, serve_api_key
     for env, flag, expected in [({"JAXSERVE_API_KEY": "a"}, [], "a"), ({"VLLM_API_KEY": "b"}, [], "b"),

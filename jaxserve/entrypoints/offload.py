@@ -2,6 +2,9 @@
 megabytes, decoding for echo) runs off the event loop, so one request cannot stall every stream
 and `/health`: in a small thread pool, and within a time limit, past which that request fails
 with a 400 (its thread finishes on its own; a Jinja template cannot be stopped from outside).
+A large answer (its final text and logprobs gathered, then JSON-encoded) is built in a pool of
+its own, with no limit: its tokens are already paid for, and a pool full of slow templates must
+not hold it up.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from jaxserve.entrypoints.protocol import ApiError
 WORKERS = 4
 TIME_LIMIT_S = 10.0  # a template that renders for longer fails its request
 
+LARGE_ANSWER_TOKENS = 4096  # an answer of more output tokens is built off the loop
+
 _pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="jaxserve-request")
+_answers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-answer")
 
 
 async def off_loop(fn, *args, what: str = "the request's text", param: str | None = None):
@@ -25,3 +31,10 @@ async def off_loop(fn, *args, what: str = "the request's text", param: str | Non
         return await asyncio.wait_for(future, TIME_LIMIT_S)
     except asyncio.TimeoutError:
         raise ApiError(400, f"{what} took over {TIME_LIMIT_S:g} s to process", param=param) from None
+
+
+async def answer(build, num_tokens: int):
+    """build(), an answer of `num_tokens` output tokens: off the loop when it is large."""
+    if num_tokens <= LARGE_ANSWER_TOKENS:
+        return build()
+    return await asyncio.get_running_loop().run_in_executor(_answers, build)

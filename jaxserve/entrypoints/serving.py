@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from jaxserve.engine.batching import SamplingParams
 from jaxserve.entrypoints.choice import Choice
 from jaxserve.entrypoints.engine_client import EngineDeadError, QueueFullError
+from jaxserve.entrypoints.offload import answer
 from jaxserve.entrypoints.protocol import MAX_CHOICES, ApiError, error_body
 
 
@@ -92,8 +93,10 @@ class Serving:
             events = self._events(self.body.include_usage, self.body.continuous_usage)
             return _Stream(events, lambda: self.client.abort(self._unfinished()),
                            media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
-        body = await self._collect()
-        return body if isinstance(body, Response) else _json(body, headers)
+        gone = await self._collect()
+        if gone is not None:
+            return gone
+        return await answer(lambda: _json(self._body(), headers), sum(c.num_tokens for c in self.choices))
 
     def _unfinished(self) -> list[str]:
         return [i for i, c in zip(self.ids, self.choices) if c.finish_reason is None]
@@ -108,7 +111,9 @@ class Serving:
             touched.add(d.index)
         return touched
 
-    async def _collect(self):
+    async def _collect(self) -> Response | None:
+        """Waits for every choice to finish: None, or a 499 if the client went first (ApiError if
+        a choice failed)."""
         gone = asyncio.ensure_future(_disconnected(self.http_request))
         try:
             while self._unfinished():
@@ -128,6 +133,10 @@ class Serving:
             if failed.error is not None:  # the engine is gone or the server is stopping: not this request's fault
                 raise ApiError(503, failed.error, "server_error")
             raise ApiError(500, "the engine failed while generating this request", "server_error")
+        return None
+
+    def _body(self) -> dict:
+        """The JSON body of the answer, once every choice has finished."""
         return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.model,
                 "choices": [self.final_choice(i) for i in range(len(self.choices))], "usage": self._usage()}
 
