@@ -148,7 +148,8 @@ def test_a_slow_request_template_fails_its_request_and_stalls_nothing(client, mo
     from jaxserve.entrypoints import offload
     monkeypatch.setattr(offload, "TIME_LIMIT_S", 0.5)
     slow = "{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
-    with ServerThread(create_app(client, trust_request_chat_template=True)) as trusting:
+    app = create_app(client, trust_request_chat_template=True)
+    with ServerThread(app) as trusting:
         got = {}
         sender = threading.Thread(target=lambda: got.update(r=post(trusting, CHAT, {
             "messages": MESSAGES, "max_tokens": 2, "chat_template": slow})))
@@ -164,6 +165,17 @@ def test_a_slow_request_template_fails_its_request_and_stalls_nothing(client, mo
         assert len(health) >= 3 and max(health) < 1.0, health
         assert got["r"].status_code == 400 and "took over 0.5 s" in got["r"].json()["error"]["message"]
         assert got["r"].json()["error"]["param"] == "chat_template"
+        # The render ran in a worker process, killed at the limit (a thread would render on)
+        deadline = time.monotonic() + 5
+        while app.state.model.templates.sandbox.killed < 1:
+            assert time.monotonic() < deadline, "the slow template's worker was not killed"
+            time.sleep(0.05)
+        quick = post(trusting, CHAT, {"messages": MESSAGES, "max_tokens": 2,
+                                      "chat_template": "{{ messages[0]['content'] }} =>"})
+        assert quick.status_code == 200 and quick.headers["x-chat-template"] == "request"
+        refusing = post(trusting, CHAT, {"messages": MESSAGES, "max_tokens": 2,
+                                         "chat_template": "{{ raise_exception('no system role') }}"})
+        assert refusing.status_code == 400 and "no system role" in refusing.json()["error"]["message"]
 
 
 def test_a_large_answer_is_built_off_the_loop_and_equals_the_one_built_on_it(server, monkeypatch):

@@ -14,14 +14,14 @@ import os
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jaxserve.entrypoints.template_sandbox import TemplateSandbox, raise_exception
+
 log = logging.getLogger(__name__)
 
 HEADER = "X-Chat-Template"
 
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
-
-_MAX_REQUEST_TEMPLATES = 16  # compiled per-request templates kept
 
 
 class ChatTemplates:
@@ -37,8 +37,9 @@ class ChatTemplates:
         else:
             self.template, self.source = PLAIN_TEMPLATE, "builtin:plain"
         self.env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self.env.globals["raise_exception"] = _raise
-        self._compiled: dict[str, object] = {}
+        self.env.globals["raise_exception"] = raise_exception
+        self._compiled = None  # compiled when first used: one that does not compile fails chat requests only
+        self.sandbox = TemplateSandbox()  # requests' own templates
         self._warned = False
         if self.builtin:
             log.warning("the model has no chat template of its own: chat requests use the built-in %r template "
@@ -50,33 +51,22 @@ class ChatTemplates:
         return self.source.startswith("builtin:")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, template: str | None = None,
-               variables: dict | None = None) -> tuple[str, str]:
+               variables: dict | None = None, timeout: float = 10.0) -> tuple[str, str]:
         """(the prompt text, the template's source). Raises ValueError when the template refuses
-        the conversation or does not compile."""
-        source = "request" if template is not None else self.source
-        if template is None:
-            template = self.template
-            if self.builtin and not self._warned:
-                self._warned = True
-                log.warning("chat request rendered with the built-in %r template (the model has none)", source)
+        the conversation or does not compile; a request's own template renders in a worker
+        process (`template_sandbox`), TimeoutError past `timeout` seconds."""
         tok = self.tokenizer
+        variables = {**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "bos_token": getattr(tok, "bos_token", None) or "",
+                     "eos_token": getattr(tok, "eos_token", None) or ""}
+        if template is not None:
+            return self.sandbox.render(template, variables, timeout), "request"
+        if self.builtin and not self._warned:
+            self._warned = True
+            log.warning("chat request rendered with the built-in %r template (the model has none)", self.source)
         try:
-            compiled = self._compile(template)
-            text = compiled.render(**(variables or {}), messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=getattr(tok, "bos_token", None) or "",
-                                   eos_token=getattr(tok, "eos_token", None) or "")
+            self._compiled = self._compiled or self.env.from_string(self.template)
+            return self._compiled.render(**variables), self.source
         except Exception as e:  # noqa: BLE001 — a template refusing the conversation is the client's error
             raise ValueError(f"the chat template could not render these messages: {e}") from None
-        return text, source
 
-    def _compile(self, template: str):
-        if template not in self._compiled:
-            if len(self._compiled) > _MAX_REQUEST_TEMPLATES:
-                self._compiled = {self.template: self._compiled.get(self.template)} if self.template in \
-                    self._compiled else {}
-            self._compiled[template] = self.env.from_string(template)
-        return self._compiled[template]
-
-
-def _raise(message):
-    raise ValueError(message)

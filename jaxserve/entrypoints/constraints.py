@@ -19,6 +19,7 @@ import dataclasses
 import json
 
 from jaxserve.engine.batching.structured_outputs import StructuredOutputs
+from jaxserve.entrypoints.offload import off_loop
 from jaxserve.entrypoints.protocol import ApiError
 from jaxserve.entrypoints.tool_parsers import PARSERS, ToolCall
 
@@ -45,6 +46,16 @@ class ToolCalls:
         else:
             return None
         return [ToolCall(name, json.dumps(arguments)).openai() for name, arguments in calls]
+
+
+async def checked_constraint(body, chat: bool, tool_call_parser: str | None = None
+                             ) -> tuple[StructuredOutputs | None, ToolCalls | None]:
+    """`constraint`, off the event loop when there is one to check: llguidance took a second to
+    check a JSON schema of 13,000 properties (it lets go of the GIL meanwhile)."""
+    fmt = body.response_format
+    if body.structured_outputs is None and (fmt is None or fmt.type == "text") and not (chat and body.tools):
+        return constraint(body, chat, tool_call_parser)
+    return await off_loop(lambda: constraint(body, chat, tool_call_parser), what="checking the output's constraint")
 
 
 def constraint(body, chat: bool, tool_call_parser: str | None = None

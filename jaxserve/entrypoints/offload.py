@@ -1,7 +1,8 @@
 """Request work that may take long on the CPU (rendering a chat template, tokenizing a prompt of
 megabytes, decoding for echo) runs off the event loop, so one request cannot stall every stream
 and `/health`: in a small thread pool, and within a time limit, past which that request fails
-with a 400 (its thread finishes on its own; a Jinja template cannot be stopped from outside).
+with a 400 (the thread finishes on its own; a request's own chat template renders in a worker
+process, which is killed then: `template_sandbox`).
 A large answer (its final text and logprobs gathered, then JSON-encoded) is built in a pool of
 its own, with no limit: its tokens are already paid for, and a pool full of slow templates must
 not hold it up.

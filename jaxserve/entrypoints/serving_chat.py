@@ -16,7 +16,8 @@ from starlette.responses import Response
 from jaxserve.entrypoints.app_state import ServedModel
 from jaxserve.entrypoints.chat_template import HEADER
 from jaxserve.entrypoints.choice import Choice
-from jaxserve.entrypoints.constraints import ToolCalls, auto_tool_choice, constraint
+from jaxserve.entrypoints.constraints import ToolCalls, auto_tool_choice, checked_constraint
+from jaxserve.entrypoints import offload
 from jaxserve.entrypoints.offload import off_loop
 from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest
 from jaxserve.entrypoints.serving import Serving, sampling_params
@@ -34,7 +35,7 @@ async def create_chat_completion(http_request: Request, body: ChatCompletionRequ
     if body.chat_template is not None and not state.options.trust_request_chat_template:
         raise ApiError(400, "a request's own chat_template is refused: start the server with "
                        "--trust-request-chat-template to allow it", param="chat_template")
-    structured, tool_calls = constraint(body, chat=True, tool_call_parser=state.options.tool_call_parser)
+    structured, tool_calls = await checked_constraint(body, chat=True, tool_call_parser=state.options.tool_call_parser)
     parser = PARSERS[state.options.tool_call_parser] if auto_tool_choice(body) else None  # constraint() checked it
     text, source = await off_loop(_render, model, body, what="rendering the chat template",
                                   param="chat_template" if body.chat_template is not None else "messages")
@@ -62,9 +63,12 @@ def _render(model: ServedModel, body: ChatCompletionRequest) -> tuple[str, str]:
                      **(variables or {})}
     try:
         return model.templates.render(messages, body.add_generation_prompt is not False, body.chat_template,
-                                      variables)
+                                      variables, offload.TIME_LIMIT_S)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages")
+    except TimeoutError:  # a request's own template, its worker killed
+        raise ApiError(400, f"rendering the chat template took over {offload.TIME_LIMIT_S:g} s to process",
+                       param="chat_template") from None
 
 
 class ChatServing(Serving):

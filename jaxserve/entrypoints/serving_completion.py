@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.entrypoints.choice import Choice
-from jaxserve.entrypoints.constraints import constraint
+from jaxserve.entrypoints.constraints import checked_constraint
 from jaxserve.entrypoints.offload import off_loop
 from jaxserve.entrypoints.protocol import ApiError, CompletionRequest
 from jaxserve.entrypoints.serving import Serving, sampling_params
@@ -35,7 +35,8 @@ async def create_completion(http_request: Request, body: CompletionRequest, arri
     if max_tokens is None:
         max_tokens = (min(default_max_tokens, model.room(max(map(len, prompts)))) if default_max_tokens
                       else OPENAI_MAX_TOKENS)
-    params = sampling_params(body, max_tokens, body.logprobs, model.info.vocab_size, constraint(body, chat=False)[0])
+    structured = (await checked_constraint(body, chat=False))[0]
+    params = sampling_params(body, max_tokens, body.logprobs, model.info.vocab_size, structured)
     return await CompletionServing(http_request, body, prompts, params, echo, arrival).respond()
 
 
