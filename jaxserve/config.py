@@ -11,6 +11,54 @@ QUANTIZATIONS = (None, "int8", "w8a8", "auto")  # jaxserve.model.quantization; "
 BACKENDS = ("auto", "pallas", "reference")  # "auto" and pallas_kernels.IMPLEMENTATIONS (jax-free here)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (`jaxserve.engine.batching.speculation`), in the shape of vLLM's
+    `--speculative-config`: each decoding sequence drafts up to `num_speculative_tokens` tokens,
+    which one step verifies. "ngram": the tokens that followed the sequence's last
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens where they last occurred in it before.
+    Drafting pauses for a request whose drafts are accepted less than `min_acceptance` of the time
+    (it tries again `retry_steps` steps later), and for every request while more than
+    `max_batch` run (a large batch fills the device without it)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    min_acceptance: float = 0.3
+    retry_steps: int = 32
+    max_batch: int = 8
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "retry_steps", "max_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"speculative {name} must be an integer > 0, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0 <= self.min_acceptance <= 1:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
+
+    @classmethod
+    def of(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """From a dict (vLLM's JSON keys), unknown keys refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a dict or a SpeculativeConfig, got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative: unknown key(s) {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Engine options, validated on construction.
@@ -50,8 +98,12 @@ class EngineConfig:
     decode_steps: int = 1
     max_waiting: int = 1024  # bound of the waiting queue (the server answers 429 past it)
     mesh: dict[str, int] | None = None  # e.g. {"data": 2, "model": 4}; None: one device
+    speculative: SpeculativeConfig | None = None  # or a dict of its fields (vLLM's --speculative-config)
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+        if self.speculative is not None and (self.mesh or {}).get("data", 1) > 1:
+            raise ValueError("speculative decoding runs on one replica: a mesh with a data axis is not supported yet")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         for name in ("dtype", "kv_cache_dtype"):

@@ -39,6 +39,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
 from jaxserve.engine.batching.request import PENDING, RequestStatus
+from jaxserve.engine.batching.speculation import Speculator
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.faults import faults
 from jaxserve.model.config import ModelConfig
@@ -87,7 +88,8 @@ class EngineCore:
                             stop_ids_width=STOP_IDS),
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
-                        max_batch_delay_s=config.max_batch_delay_ms / 1000))
+                        max_batch_delay_s=config.max_batch_delay_ms / 1000),
+            speculator=Speculator(config.speculative) if config.speculative else None)
         self.grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
         self.overlaps_steps = config.overlaps_steps  # asks the backend: once, not every step
         self.idle = True  # the last step had nothing to run
@@ -146,8 +148,9 @@ class EngineCore:
             if self._in_flight is not None:
                 finished += self._collect(*self._in_flight)
             self._in_flight = launched
-            # A constrained row's next mask needs the token it just sampled: collect it now.
-            if launched is not None and (not self.overlaps_steps or launched[3]):
+            # A constrained row's next mask needs the token it just sampled, and a step with drafts
+            # decides how far each of its sequences got: collect it now.
+            if launched is not None and (not self.overlaps_steps or launched[3] or launched[0].drafts):
                 self._in_flight = None
                 finished += self._collect(*launched)
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
@@ -174,7 +177,8 @@ class EngineCore:
         decodes and none needs the host after each token, the step runs several decode steps.
         A request whose grammar's mask cannot be computed ends with `error` (into `finished`)."""
         steps = self.config.decode_steps
-        if steps > 1 and schedule.num_decodes == len(schedule.num_tokens) and not self.scheduler.table.num_host_steps:
+        if steps > 1 and schedule.num_decodes == len(schedule.num_tokens) and not self.scheduler.table.num_host_steps \
+                and not schedule.drafts:
             self.scheduler.look_ahead(schedule, steps)
         batch = self._build(schedule)
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
@@ -203,6 +207,10 @@ class EngineCore:
         starts = [r.num_computed_tokens for r in requests]
         token_ids = [PENDING if r.num_pending_tokens else (r.output_token_ids or r.prompt_token_ids)[-1]
                      for r in decodes]  # a decode runs the sequence's last token
+        drafts, sample_rows = schedule.drafts, None
+        if drafts:  # and its drafts after it, each sampled after
+            token_ids = [t for r, t in zip(decodes, token_ids) for t in [t, *drafts.get(r, ())]]
+            sample_rows = np.array([1 + len(drafts.get(r, ())) for r in requests], np.int32)
         for r, start in zip(chunks, starts[len(decodes):]):
             token_ids += r.token_ids(start, start + schedule.num_tokens[r])
         counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(requests))
@@ -219,11 +227,12 @@ class EngineCore:
             updates = changed, params.at(changed)
         return build_step(seqs, self.config.max_slots, self.config.page_size, self.runner.buckets,
                           self.runner.replicas, table.take_updates(), updates, self._sampling_mode,
-                          counts if multi else None)
+                          counts if multi else None, sample_rows)
 
     def _record(self, schedule) -> None:
         total = schedule.total_tokens
-        prefill = total - schedule.num_decodes if schedule.decode_steps == 1 else 0
+        drafted = sum(map(len, schedule.drafts.values())) if schedule.drafts else 0
+        prefill = total - schedule.num_decodes - drafted if schedule.decode_steps == 1 else 0
         self.num_steps += 1
         self.history.append(StepRecord(time.time(), total, schedule.num_decodes, prefill,
                                        len(self.scheduler.running), len(self.scheduler.waiting),
@@ -239,7 +248,11 @@ class EngineCore:
         tokens = out.tokens[..., rows]  # [n], or [steps, n] for several decode steps
         live = [(i, r) for i, r in constrained if not r.finished]  # not aborted meanwhile
         logprobs = None if out.logprobs is None else _logprob_dicts(out.logprobs, rows, list(schedule.num_tokens))
-        finished = self.scheduler.commit(schedule, tokens, logprobs)
+        verified = None
+        if schedule.drafts:  # the tokens sampled after a request's last token and after each of its drafts
+            verified = {r: out.tokens[row: row + 1 + len(schedule.drafts[r])].tolist()
+                        for r, row in zip(schedule.num_tokens, rows.tolist()) if r in schedule.drafts}
+        finished = self.scheduler.commit(schedule, tokens, logprobs, verified)
         for i, request in live:
             try:
                 if self._advance_grammar(request, int(tokens[i])):
@@ -281,6 +294,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         scheduler, blocks, runner = self.scheduler, self.blocks, self.runner
+        speculator = scheduler.speculator
         return {
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting) + len(self.compiling),  # queued, or their grammars compiling
@@ -299,6 +313,10 @@ class EngineCore:
             "num_steps": self.num_steps,
             "structured_output_mask_seconds": self.grammars.fill_seconds,  # host time filling token masks
             "structured_output_mask_steps": self.grammars.fill_steps,  # steps that filled one
+            # speculative decoding (vLLM's names): drafts verified (one per request and step), their tokens, and those kept
+            "spec_decode_num_drafts": speculator.num_drafts if speculator else 0,
+            "spec_decode_num_draft_tokens": speculator.num_draft_tokens if speculator else 0,
+            "spec_decode_num_accepted_tokens": speculator.num_accepted_tokens if speculator else 0,
         }
 
 

@@ -111,6 +111,7 @@ class Engine:
             f"row{'s (a one-row step is slower here than a two-row one)' if buckets.min_rows > 1 else ''}",
             f"async scheduling {'on' if config.overlaps_steps else 'off'}"
             f"{'' if config.async_scheduling is not None else ' (auto: on for accelerators only)'}",
+            _describe_speculation(config.speculative),
             describe_groups(runner.kv_groups),
         ])
 
@@ -252,3 +253,11 @@ class Engine:
 # What the runner's programs and pool are built from: an engine over another's runner keeps them.
 _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_model_len",
                   "dtype", "kv_cache_dtype", "attention_backend", "mesh", "decode_steps"}
+
+
+def _describe_speculation(spec) -> str:
+    if spec is None:
+        return "speculative decoding off"
+    return (f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafts a step (lookup "
+            f"{spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens), paused below {spec.min_acceptance:.0%} "
+            f"acceptance and past {spec.max_batch} running")

@@ -73,6 +73,7 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backe
         num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
         max_model_len=max_model_len, attention_backend=backend, max_num_batched_tokens=budget,
         num_logprobs=MAX_LOGPROBS, decode_steps=config.decode_steps, kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled"),
+        speculative_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
         program_dtypes=plan.programs() if plan else (), min_rows=plan.min_rows if plan else None),
         mesh=mesh, other=other)
     return runner, Reasons(reason, why, weights_reason, quant_reason)

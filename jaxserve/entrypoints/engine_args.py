@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any, Callable
 
 from jaxserve.config import BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
@@ -26,6 +27,16 @@ def _mesh(text: str) -> dict[str, int]:
 def quantization_arg(text: str) -> str | None:
     """A --quantization value: "none" is None (the benchmarks' comma lists take it too)."""
     return None if text == "none" else text
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _mib(text: str) -> int:
@@ -71,6 +82,8 @@ _OPTIONS = (
     _Option("--prefix-caching", "enable_prefix_caching", "share prompts' common leading pages (on/off)", on_off),
     _Option("--async-scheduling", "async_scheduling", "schedule step N+1 while step N runs (on/off)", on_off),
     _Option("--decode-steps", "decode_steps", "decode steps in one dispatch when every request decodes"),
+    _Option("--speculative-config", "speculative", 'speculative decoding, as JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}', _json_object),
     _Option("--attention-backend", "attention_backend", "attention implementation", str, BACKENDS),
     _Option("--batch-size", "batch_size", "dynamic batching: requests per batch"),
     _Option("--max-batch-delay-ms", "max_batch_delay_ms", "dynamic batching: wait for a batch to fill", float),

@@ -55,6 +55,13 @@ class Metrics:
         self.mask_steps = Counter("jaxserve_structured_output_mask_steps",
                                   "Steps that filled a structured-output token mask (mean per step: the "
                                   "seconds counter over this one)", registry=r)
+        self.spec_drafts = Counter("jaxserve_spec_decode_num_drafts",
+                                   "Speculative drafts verified (one per request and step)", registry=r)
+        self.spec_draft_tokens = Counter("jaxserve_spec_decode_num_draft_tokens", "Speculative draft tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("jaxserve_spec_decode_num_accepted_tokens",
+                                            "Speculative draft tokens accepted (acceptance rate: over the draft "
+                                            "tokens counter)", registry=r)
         self.engine_errors = Counter("jaxserve_engine_step_errors", "Engine steps that failed", registry=r)
         self.engine_restarts = Counter("jaxserve_engine_restarts",
                                        "Engine processes started again after the previous one died", registry=r)
@@ -77,7 +84,9 @@ class Metrics:
         self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self._seen = {"num_compiles": 0, "num_preemptions": 0, "num_errors": 0, "prefix_cache_queries": 0,
-                      "prefix_cache_hits": 0, "structured_output_mask_seconds": 0, "structured_output_mask_steps": 0}
+                      "prefix_cache_hits": 0, "structured_output_mask_seconds": 0, "structured_output_mask_steps": 0,
+                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                      "spec_decode_num_accepted_tokens": 0}
 
     def engine_replaced(self) -> None:
         """A new engine counts from 0: its counters advance the exported ones from there."""
@@ -105,7 +114,10 @@ class Metrics:
                              ("num_errors", self.engine_errors), ("prefix_cache_queries", self.prefix_cache_queries),
                              ("prefix_cache_hits", self.prefix_cache_hits),
                              ("structured_output_mask_seconds", self.mask_seconds),
-                             ("structured_output_mask_steps", self.mask_steps)):
+                             ("structured_output_mask_steps", self.mask_steps),
+                             ("spec_decode_num_drafts", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted_tokens)):
             value = stats.get(key, 0)
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])

@@ -265,6 +265,9 @@ class EngineStats(_Strict):
     num_steps: int
     structured_output_mask_seconds: float = Field(description="host time filling token masks")
     structured_output_mask_steps: int = Field(description="steps that filled one")
+    spec_decode_num_drafts: int = Field(description="speculative drafts verified: one per request and step")
+    spec_decode_num_draft_tokens: int = Field(description="their tokens")
+    spec_decode_num_accepted_tokens: int = Field(description="of those, the tokens accepted")
 
 
 class EngineState(_Strict):

@@ -55,6 +55,7 @@ class RunnerConfig:
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
     num_logprobs: int = 5
     decode_steps: int = 1  # > 1: the decode steps one program runs when every sequence decodes
+    speculative_tokens: int = 0  # drafts a sequence may verify in a step: it samples up to 1 + these rows
     kv_dtype: str = "float32"
     # ((kind, size), dtype): each program's weights (a program not named: the model's); and the
     # smallest bucket (None: 2 for a bfloat16 model on CPU, else 1). See `jaxserve.worker.dtype_plan`.
@@ -126,7 +127,8 @@ class Runner:
         one_row_trap = jax.default_backend() == "cpu" and self.dtype == "bfloat16"
         min_rows = config.min_rows or (2 if one_row_trap else 1)
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
-                                   max_seqs=config.max_slots // self.replicas, min_rows=min_rows)
+                                   max_seqs=config.max_slots // self.replicas, min_rows=min_rows,
+                                   rows_per_seq=1 + config.speculative_tokens)
         self._no_mask: dict[int, jax.Array] = {}  # all-ones token masks per row bucket (see `_all_allowed`)
         self._batch_shardings: dict[tuple, object] = {}  # per input shape, under a mesh (see `_place`)
         devices = jax.devices()[:1] if mesh is None else mesh.devices.flat

@@ -132,6 +132,7 @@ class StepBuckets:
     max_tokens: int  # per replica
     max_seqs: int  # per replica
     min_rows: int = 1  # the smallest token and row size
+    rows_per_seq: int = 1  # the rows a sequence may sample (speculation: 1 + its drafts)
 
     @functools.cached_property
     def token_sizes(self) -> list[int]:
@@ -139,7 +140,8 @@ class StepBuckets:
 
     @functools.cached_property
     def row_sizes(self) -> list[int]:
-        return _series(max(self.max_seqs, self.min_rows), self.min_rows)
+        return _series(max(min(self.max_seqs * self.rows_per_seq, self.max_tokens), self.max_seqs, self.min_rows),
+                       self.min_rows)
 
     @property
     def max_rows(self) -> int:
@@ -150,13 +152,15 @@ class StepBuckets:
         """S: the sequence rows of a token bucket's metadata (a sequence runs at least one token)."""
         return max(min(tokens, self.max_seqs), self.min_rows)
 
-    def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """(token bucket, row bucket) of a step."""
-        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
-            raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds the largest "
-                             f"bucket ({self.max_tokens} tokens, {self.max_seqs} sequences)")
+    def shape(self, num_tokens: int, num_seqs: int, num_rows: int | None = None) -> tuple[int, int]:
+        """(token bucket, row bucket) of a step; its sampling rows are its sequences unless given."""
+        num_rows = num_seqs if num_rows is None else num_rows
+        if num_tokens > self.max_tokens or num_seqs > self.max_seqs or num_rows > self.max_rows:
+            raise ValueError(f"a step of {num_tokens} tokens, {num_seqs} sequences and {num_rows} sampling rows "
+                             f"exceeds the largest bucket ({self.max_tokens} tokens, {self.max_seqs} sequences, "
+                             f"{self.max_rows} rows)")
         tokens, rows = self.token_sizes, self.row_sizes
-        return tokens[bisect.bisect_left(tokens, num_tokens)], rows[bisect.bisect_left(rows, num_seqs)]
+        return tokens[bisect.bisect_left(tokens, num_tokens)], rows[bisect.bisect_left(rows, num_rows)]
 
 
 _NO_SAMPLING_UPDATES = np.zeros(0, np.int32), SamplingBatch.greedy(0)  # no rows: nothing to change in them
@@ -164,13 +168,18 @@ _NO_SAMPLING_UPDATES = np.zeros(0, np.int32), SamplingBatch.greedy(0)  # no rows
 
 def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuckets, replicas: int = 1,
                table_updates: np.ndarray | None = None, sampling_updates=None, sampling_mode: str = "cuts",
-               decode_steps: np.ndarray | None = None) -> StepBatch:
+               decode_steps: np.ndarray | None = None, sample_rows: np.ndarray | None = None) -> StepBatch:
     """The padded arrays of one step, with numpy operations only (no pass per sequence in Python).
     table_updates [n, 4] and sampling_updates (slots [m], SamplingBatch [m]) go with the step to
     the device, where the slot table's block tables and sampling parameters live. decode_steps
     [n]: every sequence decodes (one token), each up to that many steps in one program; the
     arrays are its first step's, and the token bucket is the row bucket's (one program per row
-    bucket)."""
+    bucket). sample_rows [n]: how many of each sequence's last tokens sample a token after them
+    (speculation: its last token and its drafts; one replica); `rows` then gives each sequence's
+    first."""
+    if sample_rows is not None:
+        return _build_verifying_step(seqs, num_slots, buckets, table_updates, sampling_updates, sampling_mode,
+                                     np.asarray(sample_rows, np.int32), replicas)
     n = len(seqs.slots)
     lens = seqs.lens.astype(np.int32)
     ends = np.cumsum(lens)  # over all replicas; each replica's own cumsum subtracts its start
@@ -252,6 +261,50 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
         batch.row_steps[sample_rows] = steps
         batch.num_tokens = int(steps.sum())
     return batch
+
+
+def _build_verifying_step(seqs: StepSeqs, num_slots: int, buckets: StepBuckets, table_updates, sampling_updates,
+                          sampling_mode: str, sample_rows: np.ndarray, replicas: int) -> StepBatch:
+    """`build_step` where a sequence may sample after each of its last sample_rows[i] tokens (one
+    replica): each such token has a logits row and samples the token at its position + 1."""
+    if replicas != 1:
+        raise ValueError("a step that verifies drafts runs on one replica")
+    n, lens = len(seqs.slots), seqs.lens.astype(np.int32)
+    ends = np.cumsum(lens)
+    total, num_rows = (int(ends[-1]), int(sample_rows.sum())) if n else (0, 0)
+    t_size, r_size = buckets.shape(total, n, num_rows)
+    s_size, w_size = buckets.seqs(t_size), buckets.max_rows
+    seq_of_token = np.repeat(np.arange(n), lens)
+    offset_in_seq = np.arange(total) - (ends - lens)[seq_of_token]
+    first_row = np.cumsum(sample_rows) - sample_rows
+    seq_of_row = np.repeat(np.arange(n), sample_rows)
+    token_of_row = (ends - sample_rows)[seq_of_row] + np.arange(num_rows) - first_row[seq_of_row]  # flat index
+
+    tokens = np.zeros(t_size, np.int32)
+    token_slots = np.full(t_size, -1, np.int32)
+    positions = np.zeros(t_size, np.int32)
+    token_seq_slots = np.full(t_size, -1, np.int32)
+    on_device = seqs.token_ids < 0
+    tokens[:total] = np.where(on_device, 0, seqs.token_ids)
+    token_slots[:total] = np.where(on_device, seqs.slots[seq_of_token], -1)
+    positions[:total] = seqs.starts[seq_of_token] + offset_in_seq
+    token_seq_slots[:total] = seqs.slots[seq_of_token]
+    kv_lens, seq_slots = np.zeros(s_size, np.int32), np.zeros(s_size, np.int32)
+    kv_lens[:n], seq_slots[:n] = seqs.starts + lens, seqs.slots
+    query_start = np.full(s_size + 1, total, np.int32)
+    query_start[0], query_start[1:n + 1] = 0, ends
+    logits_indices = np.zeros(w_size, np.int32)
+    logits_indices[:num_rows] = token_of_row
+    sample_positions = np.zeros(r_size, np.int32)
+    sample_slots = np.full(r_size, num_slots, np.int32)
+    sample_positions[:num_rows] = positions[token_of_row] + 1
+    sample_slots[:num_rows] = np.where(seqs.samples, seqs.slots, num_slots)[seq_of_row]
+    meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
+                        query_start=query_start, num_seqs=np.array([n], np.int32))
+    sampling_slots, sampling = sampling_updates if sampling_updates is not None else _NO_SAMPLING_UPDATES
+    return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, first_row, seq_slots,
+                     token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
+                     sampling_slots, sampling, sampling_mode, num_tokens=total)
 
 
 def table_metadata(meta: StepMetadata, block_tables, seq_slots, token_seq_slots, page_size: int) -> StepMetadata:

@@ -56,6 +56,7 @@ from jaxserve.engine.batching.policies import Policy
 from jaxserve.engine.batching.prefix_cache import PrefixCache
 from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.batching.slot_table import SlotTable
+from jaxserve.engine.batching.speculation import Speculator, accepted
 from jaxserve.engine.batching.stop_ids import StopIds
 from jaxserve.faults import faults
 
@@ -89,6 +90,7 @@ class Schedule:
     num_decodes: int = 0  # the requests that run one token (the first ones of num_tokens)
     decode_steps: int = 1  # > 1: every request decodes, num_tokens[r] steps in one dispatch (`look_ahead`)
     cached_pages: list[int] = dataclasses.field(default_factory=list)  # pages `advance` put in the prefix cache
+    drafts: dict[Request, list[int]] = dataclasses.field(default_factory=dict)  # decodes' draft tokens (speculation)
     failed: list[Request] = dataclasses.field(default_factory=list)  # ended with `error`: scheduling them raised
 
     @property
@@ -106,8 +108,9 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, policy: Policy,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator  # drafts tokens for decoding requests (None: no speculation)
         self.blocks = blocks
         self.policy = policy
         self.clock = clock
@@ -162,6 +165,8 @@ class Scheduler:
                 left = request.num_uncomputed_tokens
                 decodes.append(request) if left == 1 else chunks.append((request, left))
             schedule = self._fill_budget(decodes, chunks, admitted, preempted)
+            if self.speculator is not None and decodes and not preempted:
+                self._draft(schedule)
         except Exception:  # noqa: BLE001 — no request's own code raised: see the module's docstring
             log.exception("scheduling failed outside any one request's part: %s end with error",
                           "the requests it admitted" if admitted else "the running requests")
@@ -197,6 +202,34 @@ class Scheduler:
             if n == left:
                 sampling.add(request)
         return Schedule(tokens, admitted, preempted, sampling, num_decodes=len(decodes))
+
+    def _draft(self, schedule: Schedule) -> None:
+        """Gives decoding requests draft tokens to verify (`speculation`), within the budget the
+        step leaves and the pages free now (no one is preempted for a draft). Only requests whose
+        tokens need no host check between them (`SlotTable.host_steps`: logprobs, stop strings,
+        grammars) draft."""
+        budget = self.config.max_num_batched_tokens - schedule.total_tokens
+        if budget <= 0 or not self.speculator.new_step(len(self.running)):
+            return
+        host_steps = self.table.host_steps
+        for request in list(schedule.num_tokens)[:schedule.num_decodes]:
+            if request.stopping or request.num_pending_tokens or host_steps[request.slot]:
+                continue
+            room = min(budget, request.max_num_tokens - request.num_tokens - 1)
+            drafts = self.speculator.drafts(request, room)
+            if not drafts:
+                continue
+            end = request.num_tokens + len(drafts)
+            lengths = [len(t) for t in request.pages]
+            if end > request.num_table_tokens:
+                if not self.blocks.can_allocate(self.kv.pages_to_add(lengths, request.num_computed_tokens, end)):
+                    continue
+                self._grow(request, end, lengths)
+            schedule.num_tokens[request] = 1 + len(drafts)
+            schedule.drafts[request] = drafts
+            budget -= len(drafts)
+            if budget <= 0:
+                return
 
     def look_ahead(self, schedule: Schedule, steps: int) -> bool:
         """Turns a schedule of decodes only into up to `steps` decode steps in one dispatch: each
@@ -337,6 +370,8 @@ class Scheduler:
         return True
 
     def _release(self, request: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(request)
         self.kv.release(request)
         self.prefix.release(request)
         if request.slot is not None:
@@ -397,10 +432,12 @@ class Scheduler:
         the context). A request that filled a page records it in the prefix cache, or, while
         the page's last token is still on the device, at the next `commit`."""
         sampling, multi, running = schedule.sampling, schedule.decode_steps > 1, RequestStatus.RUNNING
-        caching, page_size = self.blocks.enable_caching, self.blocks.page_size
+        caching, page_size, drafts = self.blocks.enable_caching, self.blocks.page_size, schedule.drafts
         for request, n in schedule.num_tokens.items():
             if request.status is not running:
                 continue
+            if drafts and request in drafts:
+                n = 1  # its drafts count once verified, at `commit`
             computed = request.num_computed_tokens = request.num_computed_tokens + n
             if request in sampling:
                 request.num_pending_tokens += n if multi else 1
@@ -410,11 +447,13 @@ class Scheduler:
                 if self.prefix.behind(request):  # its last token is on the device: at the next commit
                     self._unrecorded[request] = schedule
 
-    def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
+    def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None,
+               verified: dict[Request, list[int]] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
         i-th request of the schedule sampled, kept if it sampled; with several decode steps,
         tokens [steps, n] holds each step's, and a request keeps its first num_tokens[r] up to the
-        one that ends it. Appends them, retires finished requests, and returns those.
+        one that ends it; a request with drafts, verified[r]: the token sampled after its last
+        token and after each draft. Appends them, retires finished requests, and returns those.
 
         Most rows append their one token and nothing else: only those that sampled a token that
         ends some request, reach their length, sample their first token, run several steps or
@@ -427,6 +466,10 @@ class Scheduler:
         for i, (request, token, look) in enumerate(zip(schedule.num_tokens, drawn[0].tolist(), careful.tolist())):
             if request not in sampling:
                 continue  # a prompt chunk that is not the last
+            if verified and request in verified:
+                if not request.finished and self._commit_verified(schedule, request, verified[request], now):
+                    finished.append(request)
+                continue
             if look or request.stopping or request.status is not running or request.first_token_time is None:
                 if request.finished:
                     continue  # aborted meanwhile
@@ -442,6 +485,23 @@ class Scheduler:
             if request.finished or not self.prefix.behind(request):
                 del self._unrecorded[request]
         return finished
+
+    def _commit_verified(self, schedule: Schedule, request: Request, sampled: list[int], now: float) -> bool:
+        """A request's drafts against the tokens sampled after its last token and each draft: the
+        drafts equal to those are computed (their K/V written by this step), and it appends them
+        and the token sampled after the last of them. Returns whether it ended."""
+        drafts = schedule.drafts[request]
+        kept = accepted(drafts, sampled)
+        self.speculator.record(request, len(drafts), kept)
+        request.num_computed_tokens += kept
+        request.num_pending_tokens += kept
+        request.stopping = request.num_computed_tokens + 1 >= request.max_num_tokens
+        if self._commit_row(request, sampled[:kept + 1], None, now):
+            return True
+        if self.blocks.enable_caching and \
+                request.num_computed_tokens // self.blocks.page_size > request.num_cached_pages:
+            schedule.cached_pages += self.prefix.record(request)
+        return False
 
     def _commit_row(self, request: Request, tokens: list[int], logprobs: dict | None, now: float) -> bool:
         """Appends a request's tokens up to the one that ends it; returns whether one did."""

@@ -1,0 +1,184 @@
+"""Speculative decoding with n-gram drafts (jaxserve.engine.batching.speculation): the drafts and
+the acceptance count against exact values; engines with speculation on give the tokens of the
+same engine with it off, greedy and sampled, across admissions, preemption, aborts and prefix
+hits; max_tokens and stop tokens inside a draft; the counters against a replay of the drafting;
+no compile after warm-up and no page left held."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.batching.speculation import Speculator, accepted, ngram_draft
+
+BASE = dict(max_slots=4, page_size=8, num_pages=96, max_model_len=160, dtype="float32")
+# Prompts that repeat themselves, so that drafts are found (and a tiny random model's greedy
+# output, which falls into loops, accepts many), and one that does not.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9], list(range(20, 44)),
+           [3, 4, 3, 4, 3, 4, 3], [12, 13, 14, 15, 16, 12, 13, 14]]
+
+
+def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_tail():
+    assert ngram_draft([1, 2, 3, 4, 1, 2, 3], 3, 1, 3) == [4, 1, 2]
+    assert ngram_draft([1, 2, 9, 1, 2, 8, 1, 2], 2, 1, 2) == [8, 1]  # the latest occurrence of [1, 2]
+    assert ngram_draft([7, 1, 2, 3, 5, 3], 2, 1, 3) == [5, 3]  # [5, 3], [2, 5, 3] never occurred: [3]
+    assert ngram_draft([7, 1, 2, 3, 5, 3], 2, 2, 3) == []  # not with two tokens at least
+    assert ngram_draft([4, 4, 4], 5, 1, 2) == [4]  # what follows, up to the end
+    assert ngram_draft([1], 3, 1, 2) == []
+
+
+def test_acceptance_is_the_drafts_equal_to_the_tokens_sampled_before_them():
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted([4, 5, 6], [1, 5, 6, 7]) == 0
+    assert accepted([], [3]) == 0
+
+
+def test_drafting_pauses_below_the_acceptance_it_needs_and_resumes():
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, min_acceptance=0.5,
+                                        retry_steps=3, max_batch=2))
+
+    class R:
+        prompt_token_ids, output_token_ids = [1, 2, 1], []
+    r = R()
+    assert spec.new_step(2) and spec.drafts(r, 10) == [2, 1] and spec.drafts(r, 1) == [2]
+    for _ in range(8):  # 32 drafted, 8 accepted: below half
+        spec.record(r, 4, 1)
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (8, 32, 8)
+    assert spec.drafts(r, 10) == []  # paused for 3 steps
+    spec.new_step(1), spec.new_step(1)
+    assert spec.drafts(r, 10) == []
+    spec.new_step(1)
+    assert spec.drafts(r, 10) == [2, 1]
+    assert not spec.new_step(3)  # more running than max_batch
+
+
+def test_a_bad_speculative_config_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineConfig(speculative={"method": "ngram", "num_tokens": 3})
+    with pytest.raises(ValueError, match="method must be one of"):
+        EngineConfig(speculative={"method": "eagle"})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="data axis"):
+        EngineConfig(speculative={}, mesh={"data": 2})
+    from jaxserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}'])
+    assert engine_config_from_args(args).speculative == SpeculativeConfig(num_speculative_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    """(speculation off, on with K) per (model kind, K); built when first asked for."""
+    built = {}
+
+    def get(kind: str, k: int | None, **more):
+        key = (kind, k, tuple(sorted(more.items())))
+        if key not in built:
+            spec = None if k is None else {"num_speculative_tokens": k, "prompt_lookup_min": 1, "min_acceptance": 0.0}
+            built[key] = Engine.from_pretrained(checkpoints(kind), EngineConfig(**{**BASE, **more}, speculative=spec))
+        return built[key]
+    return get
+
+
+def tokens_of(engine, prompts, params):
+    return [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
+
+
+def assert_idle(engine):
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == stats["used_pages"] == 0
+
+
+@pytest.mark.parametrize("kind, k", [("llama", 1), ("llama", 3), ("llama", 5), ("qwen3", 3), ("gemma3", 3)])
+def test_speculation_changes_no_token_greedy_or_sampled(engines, kind, k):
+    off, on = engines(kind, None), engines(kind, k)
+    before = on.stats()["spec_decode_num_accepted_tokens"]
+    for temperature in (0.0, 0.8):  # the sampler's keys are per position: a kept draft is the token drawn there
+        params = [SamplingParams(max_tokens=16 + 3 * i, temperature=temperature, top_p=0.9, seed=i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        assert tokens_of(on, PROMPTS, params) == tokens_of(off, PROMPTS, params), temperature
+    assert on.stats()["spec_decode_num_accepted_tokens"] > before
+    assert_idle(on)
+
+
+def test_preemption_aborts_and_prefix_hits_change_no_token(engines):
+    small = dict(num_pages=14, max_model_len=96)  # 13 usable pages of 8 tokens: five requests of ~70 tokens preempt
+    off, on = engines("llama", None, **small), engines("llama", 3, **small)
+    shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]  # two full pages every prompt starts with
+    prompts = [shared + p for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = tokens_of(off, prompts, params)
+    assert tokens_of(on, prompts, params) == expected
+    stats = on.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    ids = [on.add_request(p, params) for p in prompts]
+    for _ in range(6):
+        on.step()
+    on.abort(ids[1])
+    on.run_until(lambda: all(on.request(i).finished for i in ids))
+    outs = [on.output(i) for i in ids]
+    assert outs[1].finish_reason == "abort"
+    assert [(o.token_ids, o.finish_reason) for j, o in enumerate(outs) if j != 1] == \
+        [e for j, e in enumerate(expected) if j != 1]
+    for i in ids:
+        on.release(i)
+    assert_idle(on)
+
+
+def test_max_tokens_and_stop_tokens_inside_a_draft_end_the_output_there(engines):
+    off, on = engines("llama", None), engines("llama", 5)
+    free = tokens_of(off, PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for cut in (1, 2, 5, 9, 17):
+        params = SamplingParams(max_tokens=cut, temperature=0.0, ignore_eos=True)
+        assert tokens_of(on, PROMPTS, params) == [(t[:cut], "length") for t, _ in free]
+    for j in (3, 7, 12):  # stop at the token the first prompt's output has at j (its first occurrence ends it)
+        stop = free[0][0][j]
+        params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop], ignore_eos=True)
+        got = tokens_of(on, PROMPTS[:1], params)[0]
+        assert got == tokens_of(off, PROMPTS[:1], params)[0]
+        assert got[1] == "stop" and got[0][-1] == stop and len(got[0]) <= j + 1
+    assert_idle(on)
+
+
+def replay(prompt: list[int], output: list[int], k: int) -> tuple[int, int, int]:
+    """(drafts, draft tokens, accepted) of one request decoding `output` alone, drafting with
+    ngram_draft as the engine does (nothing paused): an independent count of the engine's."""
+    drafts = tokens = kept = 0
+    m = 1  # the first token comes from the prefill
+    while m < len(output):
+        guess = ngram_draft(prompt + output[:m], min(k, len(output) - m - 1), 1, 4)
+        if guess:
+            n = accepted(guess, output[m:])
+            drafts, tokens, kept = drafts + 1, tokens + len(guess), kept + n
+            m += n
+        m += 1
+    return drafts, tokens, kept
+
+
+def test_the_counters_equal_a_replay_of_the_drafting(engines):
+    off, on = engines("llama", None), engines("llama", 3)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        output = off.generate([prompt], params)[0].token_ids
+        before = [on.stats()[name] for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                "spec_decode_num_accepted_tokens")]
+        assert on.generate([prompt], params)[0].token_ids == output
+        after = [on.stats()[name] for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                               "spec_decode_num_accepted_tokens")]
+        assert tuple(a - b for a, b in zip(after, before)) == replay(prompt, output, 3), prompt
+
+
+def test_no_compile_after_warmup(engines):
+    engine = engines("llama", 3, max_slots=2)
+    engine.warmup()
+    compiles = engine.stats()["num_compiles"]
+    params = [SamplingParams(max_tokens=30, temperature=t, seed=5, ignore_eos=True) for t in (0.0, 0.7, 0.0, 0.0, 0.7)]
+    engine.generate(PROMPTS, params)
+    assert engine.stats()["num_compiles"] == compiles and engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_idle(engine)
