@@ -74,14 +74,19 @@ def test_a_bad_speculative_config_is_a_value_error():
 
 @pytest.fixture(scope="module")
 def engines(checkpoints):
-    """(speculation off, on with K) per (model kind, K); built when first asked for."""
+    """An engine with K drafts per (model kind, K, config changes), built when first asked for;
+    K None: speculation off, over the runner (model, compiled steps, pool) of the one with K = 5
+    (`with_strategy`), so that both run the same programs. Use one of a pair at a time."""
     built = {}
 
     def get(kind: str, k: int | None, **more):
         key = (kind, k, tuple(sorted(more.items())))
         if key not in built:
-            spec = None if k is None else {"num_speculative_tokens": k, "prompt_lookup_min": 1, "min_acceptance": 0.0}
-            built[key] = Engine.from_pretrained(checkpoints(kind), EngineConfig(**{**BASE, **more}, speculative=spec))
+            if k is None:
+                built[key] = get(kind, 5, **more).with_strategy("paged", speculative=None)
+            else:
+                spec = {"num_speculative_tokens": k, "prompt_lookup_min": 1, "min_acceptance": 0.0}
+                built[key] = Engine.from_pretrained(checkpoints(kind), EngineConfig(**{**BASE, **more}, speculative=spec))
         return built[key]
     return get
 
@@ -95,21 +100,22 @@ def assert_idle(engine):
     assert stats["running"] == stats["waiting"] == stats["used_pages"] == 0
 
 
-@pytest.mark.parametrize("kind, k", [("llama", 1), ("llama", 3), ("llama", 5), ("qwen3", 3), ("gemma3", 3)])
+@pytest.mark.parametrize("kind, k", [("llama", 1), ("llama", 3), ("llama", 5), ("qwen3", 5), ("gemma3", 5)])
 def test_speculation_changes_no_token_greedy_or_sampled(engines, kind, k):
     off, on = engines(kind, None), engines(kind, k)
     before = on.stats()["spec_decode_num_accepted_tokens"]
+    prompts = PROMPTS[:4]
     for temperature in (0.0, 0.8):  # the sampler's keys are per position: a kept draft is the token drawn there
-        params = [SamplingParams(max_tokens=16 + 3 * i, temperature=temperature, top_p=0.9, seed=i, ignore_eos=True)
-                  for i in range(len(PROMPTS))]
-        assert tokens_of(on, PROMPTS, params) == tokens_of(off, PROMPTS, params), temperature
+        params = [SamplingParams(max_tokens=12 + 4 * i, temperature=temperature, top_p=0.9, seed=i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        assert tokens_of(on, prompts, params) == tokens_of(off, prompts, params), temperature
     assert on.stats()["spec_decode_num_accepted_tokens"] > before
     assert_idle(on)
 
 
 def test_preemption_aborts_and_prefix_hits_change_no_token(engines):
     small = dict(num_pages=14, max_model_len=96)  # 13 usable pages of 8 tokens: five requests of ~70 tokens preempt
-    off, on = engines("llama", None, **small), engines("llama", 3, **small)
+    off, on = engines("llama", None, **small), engines("llama", 5, **small)
     shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]  # two full pages every prompt starts with
     prompts = [shared + p for p in PROMPTS]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -163,7 +169,7 @@ def replay(prompt: list[int], output: list[int], k: int) -> tuple[int, int, int]
 
 def test_the_counters_equal_a_replay_of_the_drafting(engines):
     off, on = engines("llama", None), engines("llama", 3)
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)  # K = 3 on K = 5's runner would do too
     for prompt in PROMPTS:
         output = off.generate([prompt], params)[0].token_ids
         before = [on.stats()[name] for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
@@ -175,7 +181,9 @@ def test_the_counters_equal_a_replay_of_the_drafting(engines):
 
 
 def test_no_compile_after_warmup(engines):
-    engine = engines("llama", 3, max_slots=2)
+    engine = engines("llama", 1)
+    with pytest.raises(ValueError, match="2 speculative tokens need a new engine"):
+        engine.with_strategy("paged", speculative={"num_speculative_tokens": 2})
     engine.warmup()
     compiles = engine.stats()["num_compiles"]
     params = [SamplingParams(max_tokens=30, temperature=t, seed=5, ignore_eos=True) for t in (0.0, 0.7, 0.0, 0.0, 0.7)]

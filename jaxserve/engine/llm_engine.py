@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 import jax
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.distributed.sharding import canonical_sharding_for, make_mesh
 from jaxserve.engine.batching import Request, RequestOutput, SamplingParams
 from jaxserve.engine.core import EngineCore
@@ -69,6 +69,10 @@ class Engine:
         fixed = sorted(set(changes) & _RUNNER_FIELDS)
         if fixed:
             raise ValueError(f"with_strategy changes scheduling only: {', '.join(fixed)} need a new engine")
+        speculative = SpeculativeConfig.of(changes.get("speculative", self.config.speculative))
+        if speculative is not None and speculative.num_speculative_tokens > self.runner.config.speculative_tokens:
+            raise ValueError(f"{speculative.num_speculative_tokens} speculative tokens need a new engine: this one's "
+                             f"steps sample at most {1 + self.runner.config.speculative_tokens} rows a sequence")
         return Engine(self.model_config, None, self.tokenizer, self.config.replace(strategy=strategy, **changes),
                       self.model_name, runner=self.runner)
 
