@@ -41,6 +41,7 @@ if "glibc.malloc.hugetlb" not in _tunables:
 # in around them, rather than one long file running alone at the end.
 LONGEST_FIRST = ["test_sharding.py", "test_gemma3_real.py", "test_pallas_ragged_attention.py",
                  "test_server_clients.py", "test_engine_hybrid_kv.py", "test_multihost_serve.py", "test_engine.py",
+                 "test_quantization.py", "test_decode_steps.py", "test_speculative.py",
                  "test_ray_serve.py", "test_token_budget.py", "test_startup.py", "test_sampling.py",
                  "test_engine_prefix_cache.py", "test_server_shutdown.py", "test_model_parity.py",
                  "test_dashboard_browser.py", "test_server.py", "test_structured_output.py", "test_kv_in_place.py",
