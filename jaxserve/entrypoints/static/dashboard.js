@@ -70,6 +70,9 @@ function render(state, now) {
   $("tokens-per-s").textContent = (recent.reduce((n, s) => n + s.tokens, 0) / RATE_S).toFixed(0);
   $("compiles").textContent = state.stats.num_compiles ?? 0;
   $("preemptions").textContent = state.stats.num_preemptions ?? 0;
+  const drafted = state.stats.spec_decode_num_draft_tokens ?? 0;
+  const kept = state.stats.spec_decode_num_accepted_tokens ?? 0;
+  $("drafts-kept").textContent = drafted ? `${kept} / ${drafted} (${((100 * kept) / drafted).toFixed(0)}%)` : "none";
 
   grid.update(state.slots, form.mine);
   const busy = state.slots.filter((s) => s.phase !== "free");
