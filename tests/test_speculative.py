@@ -1,8 +1,8 @@
 """Speculative decoding with n-gram drafts (jaxserve.engine.batching.speculation): the drafts and
-the acceptance count against exact values; engines with speculation on give the tokens of the
-same engine with it off, greedy and sampled, across admissions, preemption, aborts and prefix
-hits; max_tokens and stop tokens inside a draft; the counters against a replay of the drafting;
-no compile after warm-up and no page left held."""
+the acceptance count against exact values; engines with speculation on give the tokens (and
+logprobs) of the same engine with it off, greedy and sampled, across admissions, preemption,
+aborts and prefix hits; max_tokens and stop tokens inside a draft; the counters against a replay
+of the drafting; no compile after warm-up and no page left held."""
 
 from __future__ import annotations
 
@@ -149,6 +149,21 @@ def test_max_tokens_and_stop_tokens_inside_a_draft_end_the_output_there(engines)
         got = tokens_of(on, PROMPTS[:1], params)[0]
         assert got == tokens_of(off, PROMPTS[:1], params)[0]
         assert got[1] == "stop" and got[0][-1] == stop and len(got[0]) <= j + 1
+    assert_idle(on)
+
+
+def test_logprobs_of_kept_drafts_are_those_without_speculation(engines):
+    off, on = engines("llama", None), engines("llama", 5)
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True)
+    kept = on.stats()["spec_decode_num_accepted_tokens"]
+    want, got = off.generate(PROMPTS, params), on.generate(PROMPTS, params)
+    assert on.stats()["spec_decode_num_accepted_tokens"] > kept  # they drafted, and kept some
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x["logprob"] - y["logprob"]) < 1e-4
+            assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
+            assert max(abs(u - v) for (_, u), (_, v) in zip(x["top"], y["top"])) < 1e-4
     assert_idle(on)
 
 

@@ -250,8 +250,12 @@ class EngineCore:
         logprobs = None if out.logprobs is None else _logprob_dicts(out.logprobs, rows, list(schedule.num_tokens))
         verified = None
         if schedule.drafts:  # the tokens sampled after a request's last token and after each of its drafts
-            verified = {r: out.tokens[row: row + 1 + len(schedule.drafts[r])].tolist()
-                        for r, row in zip(schedule.num_tokens, rows.tolist()) if r in schedule.drafts}
+            verified = {}
+            for r, row in zip(schedule.num_tokens, rows.tolist()):
+                if r in schedule.drafts:
+                    span = np.arange(row, row + 1 + len(schedule.drafts[r]))
+                    verified[r] = (out.tokens[span].tolist(), None if out.logprobs is None or r.params.logprobs is None
+                                   else _logprob_dicts(out.logprobs, span, [r] * len(span)))
         finished = self.scheduler.commit(schedule, tokens, logprobs, verified)
         for i, request in live:
             try:

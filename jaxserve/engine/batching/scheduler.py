@@ -205,15 +205,15 @@ class Scheduler:
 
     def _draft(self, schedule: Schedule) -> None:
         """Gives decoding requests draft tokens to verify (`speculation`), within the budget the
-        step leaves and the pages free now (no one is preempted for a draft). Only requests whose
-        tokens need no host check between them (`SlotTable.host_steps`: logprobs, stop strings,
-        grammars) draft."""
+        step leaves and the pages free now (no one is preempted for a draft). Requests with stop
+        strings or a grammar do not draft: the text, or the matcher, must see each token before the
+        next is kept."""
         budget = self.config.max_num_batched_tokens - schedule.total_tokens
         if budget <= 0 or not self.speculator.new_step(len(self.running)):
             return
-        host_steps = self.table.host_steps
         for request in list(schedule.num_tokens)[:schedule.num_decodes]:
-            if request.stopping or request.num_pending_tokens or host_steps[request.slot]:
+            params = request.params
+            if request.stopping or request.num_pending_tokens or params.stop or params.structured_outputs is not None:
                 continue
             room = min(budget, request.max_num_tokens - request.num_tokens - 1)
             drafts = self.speculator.drafts(request, room)
@@ -448,12 +448,13 @@ class Scheduler:
                     self._unrecorded[request] = schedule
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None,
-               verified: dict[Request, list[int]] | None = None) -> list[Request]:
+               verified: dict[Request, tuple[list[int], list[dict] | None]] | None = None) -> list[Request]:
         """Once an advanced step's results are on the host: tokens[i] (and logprobs[i]) is what the
         i-th request of the schedule sampled, kept if it sampled; with several decode steps,
         tokens [steps, n] holds each step's, and a request keeps its first num_tokens[r] up to the
-        one that ends it; a request with drafts, verified[r]: the token sampled after its last
-        token and after each draft. Appends them, retires finished requests, and returns those.
+        one that ends it; a request with drafts, verified[r]: the tokens sampled after its last
+        token and after each draft, and their logprobs (or None). Appends them, retires finished
+        requests, and returns those.
 
         Most rows append their one token and nothing else: only those that sampled a token that
         ends some request, reach their length, sample their first token, run several steps or
@@ -467,7 +468,7 @@ class Scheduler:
             if request not in sampling:
                 continue  # a prompt chunk that is not the last
             if verified and request in verified:
-                if not request.finished and self._commit_verified(schedule, request, verified[request], now):
+                if not request.finished and self._commit_verified(schedule, request, *verified[request], now):
                     finished.append(request)
                 continue
             if look or request.stopping or request.status is not running or request.first_token_time is None:
@@ -486,17 +487,22 @@ class Scheduler:
                 del self._unrecorded[request]
         return finished
 
-    def _commit_verified(self, schedule: Schedule, request: Request, sampled: list[int], now: float) -> bool:
-        """A request's drafts against the tokens sampled after its last token and each draft: the
-        drafts equal to those are computed (their K/V written by this step), and it appends them
-        and the token sampled after the last of them. Returns whether it ended."""
+    def _commit_verified(self, schedule: Schedule, request: Request, sampled: list[int],
+                         logprobs: list[dict] | None, now: float) -> bool:
+        """A request's drafts against the tokens sampled after its last token and each draft (and
+        their logprobs): the drafts equal to those are computed (their K/V written by this step),
+        and it appends them and the token sampled after the last of them. Returns whether it ended."""
         drafts = schedule.drafts[request]
         kept = accepted(drafts, sampled)
         self.speculator.record(request, len(drafts), kept)
         request.num_computed_tokens += kept
         request.num_pending_tokens += kept
         request.stopping = request.num_computed_tokens + 1 >= request.max_num_tokens
-        if self._commit_row(request, sampled[:kept + 1], None, now):
+        before = len(request.output_token_ids)
+        ended = self._commit_row(request, sampled[:kept + 1], None, now)
+        if logprobs:
+            request.logprobs.extend(logprobs[:len(request.output_token_ids) - before])
+        if ended:
             return True
         if self.blocks.enable_caching and \
                 request.num_computed_tokens // self.blocks.page_size > request.num_cached_pages:
