@@ -10,6 +10,9 @@ default model (Gemma 3 270M) unless --model is given:
   tokens are identical, and the acceptance (accepted / drafted tokens).
 - `open`: the README benchmark's workload (--open-requests random-token prompts of 32-256
   tokens, 128 new tokens each, all at once, paged): the same figures.
+- `batches`: the grounded prompts as one batch of B requests (the 8 repeated), for each B of
+  --batches, 128 tokens each, drafting at every batch size (`max_batch` lifted): where a
+  step's drafts stop paying, which `max_batch` should be below.
 - `sampling`: --seeds requests at temperature 0.8 after one prompt that repeats itself, 8 new
   tokens each: each position's token for every seed, with and without speculation, the drafts
   kept, and a chi-square test of the two distributions per position (identical tokens: p = 1).
@@ -130,6 +133,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--open-requests", type=int, default=64)
     parser.add_argument("--seeds", type=int, default=2000)
+    parser.add_argument("--batches", default="2,4,8,16,32")
     parser.add_argument("--parts", default="grounded,open,sampling")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.prompt_lookup_min}
@@ -152,6 +156,13 @@ def main():
                    for _ in range(args.open_requests)]
         params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
         compare(f"open: {args.open_requests} random prompts at once", engines, [(prompts, params)] * 2)
+    if "batches" in parts:
+        lifted = {"off": engines["off"],
+                  "on": engines["on"].with_strategy("paged", speculative={**spec, "max_batch": 1024})}
+        greedy = SamplingParams(max_tokens=128, temperature=0.0)
+        for b in map(int, args.batches.split(",")):
+            prompts = (grounded_prompts() * b)[:b]
+            compare(f"grounded, a batch of {b}, drafting", lifted, [(prompts, greedy)] * 2)
     if "sampling" in parts:
         sampling(engines, args.seeds)
 
