@@ -167,6 +167,20 @@ def test_logprobs_of_kept_drafts_are_those_without_speculation(engines):
     assert_idle(on)
 
 
+def test_a_stop_string_inside_kept_drafts_ends_the_output_there(engines):
+    off, on = engines("llama", None), engines("llama", 5)
+    free = off.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    kept = on.stats()["spec_decode_num_accepted_tokens"]
+    for start in (6, 14, 25):  # a few characters of the output's text, wherever they first occur
+        stop = free.text[start:start + 3]
+        params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], ignore_eos=True, logprobs=1)
+        want, got = off.generate(PROMPTS[:1], params)[0], on.generate(PROMPTS[:1], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop"), stop
+        assert len(got.logprobs) == len(got.token_ids)
+    assert on.stats()["spec_decode_num_accepted_tokens"] > kept
+    assert_idle(on)
+
+
 def replay(prompt: list[int], output: list[int], k: int) -> tuple[int, int, int]:
     """(drafts, draft tokens, accepted) of one request decoding `output` alone, drafting with
     ngram_draft as the engine does (nothing paused): an independent count of the engine's."""

@@ -94,7 +94,7 @@ class OutputProcessor:
             try:
                 if faults.armed:
                     faults.check("stop_strings", request_id)
-                text.add(request.output_token_ids[text.num_tokens:])
+                _add_until_stopped(text, request)
                 if text.stopped:
                     if not request.finished:
                         finish(request, FinishReason.STOP)
@@ -134,3 +134,18 @@ class OutputProcessor:
         if self.tokenizer is None:
             return ""
         return decode_after(self.tokenizer, r.prompt_token_ids[-DECODE_CONTEXT:], r.output_token_ids)
+
+
+def _add_until_stopped(text: OutputText, request: Request) -> None:
+    """Adds a request's new tokens to its text. Several at once (kept speculative drafts) go one
+    by one, and a stop string completed before the last of them cuts the output there."""
+    new = request.output_token_ids[text.num_tokens:]
+    if len(new) == 1:
+        text.add(new)
+        return
+    for token in new:
+        text.add([token])
+        if text.stopped:
+            del request.output_token_ids[text.num_tokens:]
+            del request.logprobs[text.num_tokens:]
+            return
