@@ -219,3 +219,29 @@ def test_no_compile_after_warmup(engines):
     engine.generate(PROMPTS, params)
     assert engine.stats()["num_compiles"] == compiles and engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_idle(engine)
+
+
+def test_the_server_serves_the_tokens_and_exports_the_counters(engines):
+    """Over HTTP (an in-thread engine loop, the real app): the completion's tokens are those of
+    the engine without speculation, and /metrics and /v1/engine/state carry the counters."""
+    import httpx
+    from jaxserve.entrypoints.api_server import create_app
+    from jaxserve.entrypoints.engine_client import EngineClient
+    from server_helpers import ServerThread, response_validator, wait_idle
+    off, on = engines("llama", None), engines("llama", 5)
+    want = off.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].text
+    client = EngineClient.in_thread(on)
+    try:
+        with ServerThread(create_app(client)) as server:
+            body = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            assert answer["choices"][0]["text"] == want and answer["usage"]["completion_tokens"] == 24
+            m = wait_idle(server)
+            stats = on.stats()
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                assert m[f"jaxserve_spec_decode_{name}_total"] == stats[f"spec_decode_{name}"] > 0, name
+            state = httpx.get(server.url + "/v1/engine/state").json()
+            response_validator(server, "/v1/engine/state").validate(state)
+            assert state["stats"]["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_accepted_tokens"]
+    finally:
+        client.stop()
