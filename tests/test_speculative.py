@@ -181,6 +181,17 @@ def test_a_stop_string_inside_kept_drafts_ends_the_output_there(engines):
     assert_idle(on)
 
 
+def test_with_async_scheduling_steps_run_in_order_while_requests_may_draft(engines):
+    """Overlapped steps leave each sequence a token on the device, after which it cannot draft: an
+    engine that overlaps steps runs them in order while requests may draft, and drafts."""
+    off, on = engines("llama", None), engines("llama", 5).with_strategy("paged", async_scheduling=True)
+    assert on.config.overlaps_steps
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert tokens_of(on, PROMPTS[:3], params) == tokens_of(off, PROMPTS[:3], params)
+    assert on.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_idle(on)
+
+
 def replay(prompt: list[int], output: list[int], k: int) -> tuple[int, int, int]:
     """(drafts, draft tokens, accepted) of one request decoding `output` alone, drafting with
     ngram_draft as the engine does (nothing paused): an independent count of the engine's."""

@@ -149,8 +149,11 @@ class EngineCore:
                 finished += self._collect(*self._in_flight)
             self._in_flight = launched
             # A constrained row's next mask needs the token it just sampled, and a step with drafts
-            # decides how far each of its sequences got: collect it now.
-            if launched is not None and (not self.overlaps_steps or launched[3] or launched[0].drafts):
+            # decides how far each of its sequences got: collect it now. So too while requests may
+            # draft: a sequence with a token still on the device cannot draft after it.
+            speculator = self.scheduler.speculator
+            if launched is not None and (not self.overlaps_steps or launched[3] or launched[0].drafts or (
+                    speculator is not None and speculator.drafting(len(self.scheduler.running)))):
                 self._in_flight = None
                 finished += self._collect(*launched)
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on

@@ -74,6 +74,10 @@ class Speculator:
     def new_step(self, running: int) -> bool:
         """Counts a step; whether requests may draft in it (not past `max_batch` running)."""
         self.step += 1
+        return self.drafting(running)
+
+    def drafting(self, running: int) -> bool:
+        """Whether requests may draft with `running` requests running."""
         return running <= self.config.max_batch
 
     def drafts(self, request: Request, room: int) -> list[int]:
