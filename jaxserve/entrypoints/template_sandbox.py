@@ -34,8 +34,8 @@ class TemplateSandbox:
         with self._slots:
             worker = self._take()
             try:
-                worker.send((template, variables))
-                if not worker.poll(timeout):
+                worker.conn.send((template, variables))
+                if not worker.conn.poll(timeout):
                     self.killed += 1
                     raise TimeoutError(f"the template rendered for over {timeout:g} s")
                 ok, value = worker.recv()
@@ -53,10 +53,6 @@ class TemplateSandbox:
         except queue.Empty:
             return _Worker(self._context)
 
-    def close(self) -> None:
-        while not self._idle.empty():
-            self._idle.get_nowait().kill()
-
 
 class _Worker:
     """One worker process and the parent's end of its pipe."""
@@ -66,12 +62,6 @@ class _Worker:
         self.process = context.Process(target=serve, args=(child,), name="jaxserve-template", daemon=True)
         self.process.start()
         child.close()
-
-    def send(self, message) -> None:
-        self.conn.send(message)
-
-    def poll(self, timeout: float) -> bool:
-        return self.conn.poll(timeout)
 
     def recv(self):
         try:

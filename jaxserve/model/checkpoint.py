@@ -86,7 +86,7 @@ def restore_checkpoint(path: str, dtype: str = "float32",
     if os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
         from safetensors.numpy import load_file
         read = load_file(os.path.join(path, WEIGHTS_FILE))
-        weights = {name: w if _quantized(name, w) else w.astype(np_dtype, copy=False) for name, w in read.items()}
+        weights = as_dtype(read, dtype)
         check_weights(cfg, weights, path)
         if sharding_for:
             weights = {name: jax.device_put(w, sharding_for(name, w.shape)) for name, w in weights.items()}
@@ -100,6 +100,8 @@ def restore_checkpoint(path: str, dtype: str = "float32",
     return cfg, weights
 
 
-def _quantized(name: str, w: np.ndarray) -> bool:
-    """An int8 matrix or its scales, which keep their stored dtype."""
-    return w.dtype == np.int8 or name.endswith(SCALES)
+def as_dtype(weights: dict, dtype: str) -> dict:
+    """Host weights with the float ones in `dtype`; int8 matrices and their scales as stored."""
+    np_dtype = jax.numpy.dtype(dtype)
+    return {name: w if w.dtype == np.int8 or name.endswith(SCALES) else w.astype(np_dtype, copy=False)
+            for name, w in weights.items()}

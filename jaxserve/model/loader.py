@@ -16,13 +16,11 @@ import json
 import os
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.checkpoint import is_checkpoint, load_config, restore_checkpoint, save_checkpoint
+from jaxserve.model.checkpoint import as_dtype, is_checkpoint, load_config, restore_checkpoint, save_checkpoint
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.quantization import GROUPS, quantize_matrices
-from jaxserve.model.weights import SCALES
 from jaxserve.tokenizer import Tokenizer
 
 # Gemma 3's turn format, for a Gemma 3 whose files carry no template (the default model's GGUF).
@@ -77,7 +75,7 @@ def _hf_cache(path: str, quantization: str) -> str:
     """Where a Hugging Face checkpoint quantized by `quantization` is kept: named by the folder
     and the sizes and times of its files, so that a changed checkpoint is quantized again."""
     files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".json")))
-    stats = [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns) for f in files]
+    stats = [(f, s.st_size, s.st_mtime_ns) for f in files for s in [os.stat(os.path.join(path, f))]]
     key = hashlib.sha256(repr((os.path.abspath(path), stats)).encode()).hexdigest()[:16]
     return os.path.join(cache_root(), f"{os.path.basename(os.path.normpath(path))}-{key}-{quantization}-{CACHE_FORMAT}")
 
@@ -90,14 +88,7 @@ def _load_quantized_cached(cache: str, dtype: str, quantization: str, load_float
     cfg, weights = load_float()
     weights = quantize_matrices(weights, GROUPS[quantization])
     _save(cache, cfg, weights, {})
-    return cfg, _as_dtype(weights, dtype)
-
-
-def _as_dtype(weights: dict, dtype: str) -> dict:
-    """The float weights beside int8 ones in `dtype`, as `restore_checkpoint` gives them."""
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    return {name: w if w.dtype == np.int8 or name.endswith(SCALES) else w.astype(np_dtype, copy=False)
-            for name, w in weights.items()}
+    return cfg, as_dtype(weights, dtype)
 
 
 def _tokenizer_in(path: str) -> Tokenizer | None:
@@ -131,7 +122,7 @@ def _load_gguf_cached(cache_for, gguf_path, dtype: str, quantization: str | None
                if i is not None}
     _save(cache, cfg, weights, {"tokenizer.json": hf_tokenizer.to_str(),
                                 "tokenizer_config.json": json.dumps({"chat_template": template, **special})})
-    return cfg, _as_dtype(weights, dtype), _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
+    return cfg, as_dtype(weights, dtype), _with_builtin_template(cfg, Tokenizer(hf_tokenizer, template, **special))
 
 
 def _save(cache: str, cfg: ModelConfig, weights, files: dict[str, str]) -> None:
