@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -159,3 +160,13 @@ def test_engine_process_death_makes_health_503(checkpoints, tmp_path, serve, cac
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+def test_both_processes_keep_their_start_up_objects_out_of_the_collectors_passes(serve):
+    """The API process and the engine process each freeze what start-up left (jaxserve/heap.py), so
+    that no full collection walks it while they serve."""
+    with open(serve.log_path) as f:
+        log = f.read()
+    for process in ("jaxserve.entrypoints.api_server", "jaxserve.engine.core_process"):
+        frozen = re.search(process + r": (\d+) start-up objects frozen out of the garbage collector's passes", log)
+        assert frozen and int(frozen[1]) > 10_000, (process, log[-3000:])

@@ -37,6 +37,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from jaxserve.heap import freeze_startup_objects
+
 log = logging.getLogger(__name__)
 
 ENV = {"num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID", "coordinator": "JAX_COORDINATOR_ADDRESS"}
@@ -190,6 +192,7 @@ def follow(group: Group, build: Callable[[], Any]) -> None:
         sys.stderr.flush()
         os._exit(1)
     engine, channel = start(group, build, fatal)
+    freeze_startup_objects()  # a collection's pause here would hold up every process's collectives
     log.info("process %d of %d ready: following the leader", group.process_id, group.num_processes)
     runner, in_flight, steps = engine.runner, None, 0
     try:

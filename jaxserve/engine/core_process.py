@@ -132,6 +132,7 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
     # Ctrl+C signals the whole process group: it is the API process's to handle (it drains, then
     # sends `stop`). SIGTERM keeps ending this process: that is how a starting engine is stopped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from jaxserve.heap import freeze_startup_objects
     from jaxserve.host_memory import keep_freed_memory
     keep_freed_memory()  # before the ZMQ and XLA threads start, as the engine wants it
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -165,6 +166,7 @@ def run_process(factory: Callable[[], Any], commands_addr: str, outputs_addr: st
         outputs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
         outputs.close(linger=5000)
         return
+    log.info("%d start-up objects frozen out of the garbage collector's passes", freeze_startup_objects())
     try:
         serve(engine, commands, outputs, orphaned=lambda: os.getppid() != parent_pid,
               announced=isinstance(factory, EngineFactory))  # its `built` sent the info

@@ -35,6 +35,7 @@ from jaxserve.entrypoints.app_state import DEFAULT_MAX_BODY_BYTES, ServedModel, 
 from jaxserve.entrypoints.engine_client import EngineClient
 from jaxserve.entrypoints.error_handlers import add_error_handlers
 from jaxserve.entrypoints.starting_app import StartingApp
+from jaxserve.heap import freeze_startup_objects
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app", "run"]
 
@@ -118,6 +119,7 @@ def run(args, client: EngineClient, start: float) -> None:
                                  default_max_tokens=args.default_max_tokens,
                                  trust_request_chat_template=args.trust_request_chat_template,
                                  tool_call_parser=args.tool_call_parser)
+            log.info("%d start-up objects frozen out of the garbage collector's passes", freeze_startup_objects())
         except Exception as e:  # noqa: BLE001 — reported, and the server stops with an error
             if not stopping.is_set():
                 app.failed = str(e)
