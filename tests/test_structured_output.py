@@ -307,6 +307,26 @@ def test_a_grammar_that_fails_or_compiles_too_long_ends_alone_with_error(engine,
     assert_idle(engine)
 
 
+def test_a_grammar_whose_parser_refuses_the_first_token_ends_alone_saying_why(engine):
+    """600 optional properties in a fixed order compile, but llguidance's parser refuses the first
+    token ("{"): the row it opens holds 2399 items, over its limit of 2000. That request ends with
+    `error` and llguidance's reason; the requests beside it keep a run's tokens without it."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
+    others = [constrained(regex="[a-z ]{3,12}"), SamplingParams(max_tokens=10, temperature=0.9, seed=11)]
+    reference = engine.generate([PROMPT, "yes"], others)
+    ids = [engine.add_request(p, q, request_id=f"r{i}") for i, (p, q) in enumerate(zip([PROMPT, "yes"], others))]
+    engine.add_request(PROMPT, constrained(json=schema), request_id="bad")
+    engine.run_until(lambda: all(engine.request(i).finished for i in ids + ["bad"]))
+    bad = engine.output("bad")
+    assert bad.finish_reason == "error"
+    assert bad.error.startswith("its grammar refused the next token: Parser Error: Current row has 2399 items; "
+                                "max is 2000"), bad.error
+    assert [engine.output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+    for request_id in ids + ["bad"]:
+        engine.release(request_id)
+    assert_idle(engine)
+
+
 def test_an_abort_while_the_grammar_compiles_ends_the_request(engine, gate):
     engine.add_request(PROMPT, constrained(regex=GATED), request_id="waits")
     engine.step()
@@ -364,6 +384,7 @@ def test_a_request_whose_mask_fails_ends_alone_with_error(engine, fault):
     engine.run_until(lambda: all(engine.request(i).finished for i in ids + ["bad"]))
     bad = engine.output("bad")
     assert bad.finish_reason == "error" and bad.token_ids == []
+    assert bad.error == "its grammar's token mask could not be computed"
     assert [engine.output(i).token_ids for i in ids] == [o.token_ids for o in reference]
     for i in ids + ["bad"]:
         engine.release(i)

@@ -40,6 +40,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
 from jaxserve.engine.batching.request import PENDING, RequestStatus
 from jaxserve.engine.batching.speculation import Speculator
+from jaxserve.engine.batching.structured_outputs import short_error
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.faults import faults
 from jaxserve.model.config import ModelConfig
@@ -191,6 +192,7 @@ class EngineCore:
                                                        len(batch.sample_slots))
             for request_id in failed:  # ended before the step runs: it writes their freed pages, as after an abort
                 request = next(r for _, r in constrained if r.request_id == request_id)
+                request.error = "its grammar's token mask could not be computed"
                 self.scheduler.finish(request, FinishReason.ERROR)
                 finished.append(request)
         want_logprobs = (self.scheduler.table.num_host_steps > 0  # a request with logprobs is one of those
@@ -277,10 +279,11 @@ class EngineCore:
         (`error`). Returns whether it ended here."""
         request_id = request.request_id
         if not self.grammars.consume(request_id, token):
-            log.error("request %s: the grammar refused token %d: %s", request_id, token,
-                      self.grammars.error(request_id))
+            why = self.grammars.error(request_id)
+            log.error("request %s: the grammar refused token %d: %s", request_id, token, why)
             if request.finished:
                 return False
+            request.error = f"its grammar refused the next token: {short_error(why)}"
             self.scheduler.finish(request, FinishReason.ERROR)
             return True
         if not self.grammars.done(request_id):

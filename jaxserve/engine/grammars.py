@@ -162,7 +162,12 @@ class GrammarMatchers:
 
     def _compile(self, spec: StructuredOutputs):
         import llguidance
+        import llguidance.numpy as llnp
         matcher = llguidance.LLMatcher(self._ll_tokenizer, spec.llguidance_grammar, log_level=0)
+        # The first mask here too, off the loop: the matcher keeps it until it consumes a token, so
+        # the step that samples the first token does not compute it. For a large grammar it costs
+        # the most (105 ms for 5,000 optional properties; the masks after it take under 1 ms).
+        llnp.fill_next_token_bitmask(matcher, np.full((1, self.words), -1, np.int32), 0)
         if matcher.is_error():
             raise ValueError(f"{spec.field} is invalid: {short_error(matcher.get_error())}")
         return matcher
