@@ -16,8 +16,12 @@ from conftest import build_checkpoint, build_symbols_tokenizer
 from jaxserve import Engine, EngineConfig
 from jaxserve.entrypoints.api_server import create_app
 from jaxserve.entrypoints.app_state import ServerOptions
+from jaxserve.entrypoints.chat_template import ChatTemplates
 from jaxserve.entrypoints.cli import build_parser, serve
 from jaxserve.entrypoints.engine_client import EngineClient
+from jaxserve.entrypoints.protocol import ChatCompletionRequest
+from jaxserve.entrypoints.serving_chat import template_message
+from jaxserve.tokenizer import Tokenizer
 from server_helpers import ServerThread, wait_idle
 
 # Qwen's turn markers, and the tools described in a system turn as Qwen 2.5 and 3 templates do (no
@@ -29,7 +33,8 @@ Functions you may call, in <tools></tools>:
 To call one, write <tool_call>{"name": <name>, "arguments": <object>}</tool_call>.<|im_end|>
 {% endif %}
 {% for m in messages %}<|im_start|>{{ m['role'] }}
-{{ m['content'] }}<|im_end|>
+{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>{% else %}{{ m['content'] }}{% endif %}\
+{% for call in m['tool_calls'] or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>
 {% endfor %}
 {% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
@@ -42,12 +47,17 @@ REPLY = ('Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": 
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def checkpoint(tmp_path_factory) -> str:
     path = build_checkpoint(str(tmp_path_factory.mktemp("qwen3-hermes")), "qwen3")
     build_symbols_tokenizer(path)  # spells the JSON of a call
     with open(f"{path}/tokenizer_config.json", "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": HERMES_TEMPLATE}, f)
-    engine = Engine.from_pretrained(path, EngineConfig(max_slots=4, page_size=8, num_pages=128, max_model_len=512,
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, EngineConfig(max_slots=4, page_size=8, num_pages=128, max_model_len=512,
                                                        max_num_batched_tokens=128, dtype="float32"))
     client = EngineClient.in_thread(engine)
     yield client
@@ -60,11 +70,11 @@ def server(client):
         yield s
 
 
-def chat(server, reply: str, **kwargs):
+def chat(server, reply: str, messages=MESSAGES, **kwargs):
     """A chat completion with the official client whose reply is forced to be `reply` (max_tokens: the
     rest of the context; the reply ends once it is written)."""
     api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    return api.chat.completions.create(model=api.models.list().data[0].id, messages=MESSAGES,
+    return api.chat.completions.create(model=api.models.list().data[0].id, messages=messages,
                                        extra_body={"structured_outputs": {"choice": [reply]}}, **kwargs)
 
 
@@ -103,6 +113,52 @@ def test_tool_choice_none_shows_the_tools_and_reads_no_calls(server):
     assert none.choices[0].finish_reason == "stop"
     without_tools = chat(server, "ok", max_completion_tokens=4)
     assert none.usage.prompt_tokens > without_tools.usage.prompt_tokens + 50  # the tools are in the prompt
+
+
+# The second turn of a tool call, as the OpenAI API sends it: the assistant's call (its arguments as
+# JSON text, with text Jinja's own `tojson` would escape) and the tool's answer.
+CITY = "Zürich <north> & 'old town'"
+HISTORY = [*MESSAGES,
+           {"role": "assistant", "content": None, "tool_calls": [{
+               "id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": json.dumps({"city": CITY})}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+
+
+def test_a_tool_calls_history_renders_as_transformers_renders_it(server, checkpoint):
+    """The calls and the tool's answer reach the chat template as Hugging Face's
+    apply_chat_template gives them (the arguments as a mapping, written by its `tojson`): the
+    prompt the server tokenizes is transformers' rendering, token for token."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(checkpoint)
+    as_hf = [{**m, "tool_calls": [{**c, "function": {"name": c["function"]["name"],
+                                                       "arguments": json.loads(c["function"]["arguments"])}}
+                                  for c in m["tool_calls"]]} if "tool_calls" in m else m for m in HISTORY]
+    text = hf.apply_chat_template(as_hf, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich <north> & \'old town\'"}}' \
+           '</tool_call>' in text and "<tool_response>" in text
+    body = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": [WEATHER]})
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    rendered, _ = ChatTemplates(tokenizer, "model").render(
+        [template_message(m) for m in body.messages], variables={"tools": [WEATHER]})
+    assert rendered == text
+    answer = chat(server, "ok", messages=HISTORY, tools=[WEATHER])  # the prompt leaves a few positions
+    assert answer.choices[0].message.content == "ok" and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    wait_idle(server)
+
+
+def test_calls_whose_arguments_are_not_a_json_object_go_to_the_template_as_written(checkpoint):
+    """A model may write arguments that are not JSON, and the client sends back what it got: the
+    template gets that text (and an empty one as no arguments), as the model wrote it."""
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+             for i, arguments in enumerate(["paris", "", "[1]"])]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "tool_calls": calls}]})
+    rendered, _ = ChatTemplates(Tokenizer.from_dir(checkpoint), "model").render(
+        [template_message(m) for m in body.messages], add_generation_prompt=False)
+    assert rendered == ('<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": "paris"}</tool_call>'
+                        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+                        '<tool_call>{"name": "get_weather", "arguments": "[1]"}</tool_call><|im_end|>\n')
 
 
 def test_llama3_json_parser(client):

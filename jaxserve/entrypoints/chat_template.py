@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from jaxserve.entrypoints.template_sandbox import TemplateSandbox, raise_exception
+from jaxserve.entrypoints.template_sandbox import TemplateSandbox, environment
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +34,7 @@ class ChatTemplates:
             self.template, self.source = tokenizer.chat_template, tokenizer_source or "model"
         else:
             self.template, self.source = PLAIN_TEMPLATE, "builtin:plain"
-        self.env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self.env.globals["raise_exception"] = raise_exception
+        self.env = environment()
         self._compiled = None  # compiled when first used: one that does not compile fails chat requests only
         self.sandbox = TemplateSandbox()  # requests' own templates
         self._warned = False

@@ -113,7 +113,6 @@ _BestOf = _only({"type": "integer", "minimum": 1, "maximum": 1}, _equals(1),
 _Suffix = _only({"type": "string", "maxLength": 0}, lambda v: v == "",
                 "suffix (insertion) is not implemented by jaxserve")
 _PromptEmbeds = _absent("prompt_embeds are not supported by jaxserve")
-_ToolCalls = _empty("tool calls in the conversation's history are not supported by jaxserve")
 _FunctionCall = _absent("function calls are not implemented by jaxserve")
 _Audio = _absent("audio is not supported by jaxserve")
 _Functions = _empty(_NO_FUNCTIONS)
@@ -289,13 +288,26 @@ def _text_part(t: str) -> str:
     return t
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str = Field(description="the call's arguments as the reply gave them: JSON text")
+
+
+class ToolCallMade(_Strict):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = Field(None, description="accepted; no effect")
+    tool_call_id: str | None = Field(None, description="a tool turn: the id of the call it answers")
     refusal: str | None = Field(None, description="accepted; no effect")
-    tool_calls: _ToolCalls = None
+    tool_calls: list[ToolCallMade] | None = Field(None, description="an assistant turn: the calls it made")
     function_call: _FunctionCall = None
     audio: _Audio = None
 

@@ -10,6 +10,8 @@ chooses to call them (tool_choice "auto", read by the server's tool-call parser)
 
 from __future__ import annotations
 
+import json
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -19,7 +21,7 @@ from jaxserve.entrypoints.choice import Choice
 from jaxserve.entrypoints.constraints import ToolCalls, auto_tool_choice, checked_constraint
 from jaxserve.entrypoints import offload
 from jaxserve.entrypoints.offload import off_loop
-from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest
+from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest, ChatMessage
 from jaxserve.entrypoints.serving import Serving, sampling_params
 from jaxserve.entrypoints.tool_parsers import PARSERS, ToolCallParser, ToolCallStream
 
@@ -53,10 +55,36 @@ async def create_chat_completion(http_request: Request, body: ChatCompletionRequ
     return await serving.respond({HEADER: source})
 
 
+def template_message(m: ChatMessage) -> dict:
+    """A message as chat templates read it (Hugging Face's form): a call's arguments as a mapping,
+    which templates write out with `tojson`, where the OpenAI API sends them as JSON text."""
+    message = {"role": m.role, "content": m.text}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments(text: str):
+    """A call's arguments for the template: the mapping the JSON text holds; an empty text as no
+    arguments; other text as it is (a model may have written arguments that are not JSON, and the
+    client sends back what it got: templates write a string as it is)."""
+    if not text.strip():
+        return {}
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        return text
+    return arguments if isinstance(arguments, dict) else text
+
+
 def _render(model: ServedModel, body: ChatCompletionRequest) -> tuple[str, str]:
     """The chat as the prompt's text, and which template rendered it."""
-    messages = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = [template_message(m) for m in body.messages]
     variables = body.chat_template_kwargs
     if body.tools:  # templates that know tools describe them to the model, whatever tool_choice says
         variables = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools],

@@ -13,6 +13,8 @@ is trusted and renders in the API process.
 
 from __future__ import annotations
 
+import datetime
+import json
 import multiprocessing
 import queue
 import threading
@@ -77,10 +79,7 @@ class _Worker:
 
 def serve(conn) -> None:
     """A worker's loop: (template, variables) in, (True, text) or (False, why) out."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+    env = environment()
     compiled: dict[str, object] = {}
     while True:
         try:
@@ -97,6 +96,29 @@ def serve(conn) -> None:
             conn.send((False, f"the chat template could not render these messages: {e}"))
 
 
+def environment():
+    """A sandboxed Jinja environment that renders chat templates as Hugging Face's
+    `apply_chat_template` does, which is how the models' own templates were written and tested:
+    blocks trimmed, `break` and `continue`, `raise_exception` and `strftime_now`, and a `tojson`
+    that keeps non-ASCII text and `<`, `>`, `&` and `'` as they are (Jinja's own escapes them for
+    HTML: a tool described to the model would read differently from the one it was trained on)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.filters["tojson"] = tojson
+    return env
+
+
 def raise_exception(message):
     """Templates call it to refuse a conversation (Hugging Face's convention)."""
     raise ValueError(message)
+
+
+def strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
