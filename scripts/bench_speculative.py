@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram drafts against none, side by side in one process, on the
 default model (Gemma 3 270M) unless --model is given:
 
-    python scripts/bench_speculative.py                      # K = 3, all three parts
+    python scripts/bench_speculative.py                      # K = 3: grounded, open, json, sampling
     python scripts/bench_speculative.py --k 5 --parts grounded
 
 - `grounded`: 8 prompts whose answer repeats the prompt (fix a paragraph's spelling, add type
@@ -13,6 +13,9 @@ default model (Gemma 3 270M) unless --model is given:
 - `batches`: the grounded prompts as one batch of B requests (the 8 repeated), for each B of
   --batches, 128 tokens each, drafting at every batch size (`max_batch` lifted): where a
   step's drafts stop paying, which `max_batch` should be below.
+- `json`: 8 prompts that list records in prose and ask for them as JSON, the output constrained
+  by a JSON schema (an array of objects with the same keys), --new-tokens greedy tokens each, one
+  at a time: requests with a grammar draft what it accepts.
 - `sampling`: --seeds requests at temperature 0.8 after one prompt that repeats itself, 8 new
   tokens each: each position's token for every seed, with and without speculation, the drafts
   kept, and a chi-square test of the two distributions per position (identical tokens: p = 1).
@@ -27,7 +30,7 @@ import time
 import numpy as np
 from scipy.stats import chi2_contingency
 
-from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve import Engine, EngineConfig, SamplingParams, StructuredOutputs
 from jaxserve.bench.server_process import cpu_model
 
 PARAGRAPHS = [
@@ -64,6 +67,22 @@ def grounded_prompts() -> list[str]:
              for p in PARAGRAPHS] +
             [f"Add type hints to this Python code.\n\n```python\n{f}```\n\nThe same code with type hints:\n\n```python\n"
              for f in FUNCTIONS])
+
+
+BOOKS = [("Middlemarch", "George Eliot", 1871), ("Moby-Dick", "Herman Melville", 1851),
+         ("Persuasion", "Jane Austen", 1817), ("Bleak House", "Charles Dickens", 1853),
+         ("Walden", "Henry David Thoreau", 1854), ("Dracula", "Bram Stoker", 1897),
+         ("The Odyssey", "Homer", -700), ("Frankenstein", "Mary Shelley", 1818)]
+BOOKS_SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
+    "title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"}},
+    "required": ["title", "author", "year"]}}
+
+
+def json_prompts() -> list[str]:
+    """Eight rotations of the list, in prose, each asking for it as JSON."""
+    prose = [f"{title} was written by {author} in {year}." for title, author, year in BOOKS]
+    return [f"{' '.join(prose[i:] + prose[:i])}\n\nThe same books as a JSON array of objects with the keys "
+            f"title, author and year:\n" for i in range(len(prose))]
 
 
 def spec_counts(engine: Engine) -> tuple[int, int]:
@@ -134,7 +153,7 @@ def main():
     parser.add_argument("--open-requests", type=int, default=64)
     parser.add_argument("--seeds", type=int, default=2000)
     parser.add_argument("--batches", default="2,4,8,16,32")
-    parser.add_argument("--parts", default="grounded,open,sampling")
+    parser.add_argument("--parts", default="grounded,open,json,sampling")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.prompt_lookup_min}
     engines = {label: Engine.from_pretrained(args.model, EngineConfig(speculative=spec if label == "on" else None))
@@ -156,6 +175,10 @@ def main():
                    for _ in range(args.open_requests)]
         params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
         compare(f"open: {args.open_requests} random prompts at once", engines, [(prompts, params)] * 2)
+    if "json" in parts:
+        constrained = SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
+                                     structured_outputs=StructuredOutputs(json=BOOKS_SCHEMA))
+        compare("json: 8 prompts, one at a time", engines, [([p], constrained) for p in json_prompts()])
     if "batches" in parts:
         lifted = {"off": engines["off"],
                   "on": engines["on"].with_strategy("paged", speculative={**spec, "max_batch": 1024})}

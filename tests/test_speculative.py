@@ -43,6 +43,7 @@ def test_drafting_pauses_below_the_acceptance_it_needs_and_resumes():
 
     class R:
         prompt_token_ids, output_token_ids = [1, 2, 1], []
+        params = SamplingParams()
     r = R()
     assert spec.new_step(2) and spec.drafts(r, 10) == [2, 1] and spec.drafts(r, 1) == [2]
     for _ in range(8):  # 32 drafted, 8 accepted: below half
@@ -110,6 +111,30 @@ def test_speculation_changes_no_token_greedy_or_sampled(engines, kind, k):
                   for i in range(len(prompts))]
         assert tokens_of(on, prompts, params) == tokens_of(off, prompts, params), temperature
     assert on.stats()["spec_decode_num_accepted_tokens"] > before
+    assert_idle(on)
+
+
+def test_requests_with_a_grammar_draft_what_it_accepts_and_change_no_token(symbols_llama_dir):
+    """A request with a grammar drafts only what its grammar accepts next, and each of its rows is
+    sampled under the mask after the drafts before it: tokens equal to the same engine without
+    speculation, greedy and sampled, with drafts kept; the grammar still ends the output (`stop`)."""
+    from jaxserve import StructuredOutputs
+    on = Engine.from_pretrained(symbols_llama_dir, EngineConfig(**BASE, speculative={
+        "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance": 0.0}))
+    off = on.with_strategy("paged", speculative=None)
+    prompts = ["abab abab ab", "the fox: [1, 2, 1, 2, 1", "yes yes yes", "{\"a\": [true, true, true"]
+    specs = [StructuredOutputs(regex="(ab ){2,12}c"), StructuredOutputs(json={"type": "array", "items": {
+        "enum": [1, 2]}, "minItems": 2, "maxItems": 9}), StructuredOutputs(choice=["yes yes yes yes no", "no"]),
+        StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "array", "items": {"type": "boolean"},
+                                                                         "maxItems": 6}}, "required": ["a"]})]
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(max_tokens=40, temperature=temperature, seed=i, structured_outputs=spec)
+                  for i, spec in enumerate(specs)]
+        before = on.stats()["spec_decode_num_accepted_tokens"]
+        expected = tokens_of(off, prompts, params)
+        assert tokens_of(on, prompts, params) == expected, temperature
+        assert on.stats()["spec_decode_num_accepted_tokens"] > before, temperature
+        assert all(reason == "stop" for _, reason in expected), expected
     assert_idle(on)
 
 

@@ -111,7 +111,7 @@ def test_masks_hold_exactly_the_tokens_that_continue_the_grammar(tokenizer):
     matchers = GrammarMatchers(tokenizer, vocab, (eos,))
     matchers.add("a", StructuredOutputs(choice=["yes", "no"]))
     matchers.add("b", StructuredOutputs(regex="x+"))
-    mask, failed = matchers.fill([("a", 1), ("b", 3)], 4)
+    mask, failed = matchers.fill([("a", 1, ()), ("b", 3, ())], 4)
     assert mask.shape == (4, 5) and mask.dtype == np.int32 and failed == []
     assert (mask[0] == -1).all() and (mask[2] == -1).all()  # unconstrained rows allow everything
     text = pieces(tokenizer)
@@ -122,7 +122,7 @@ def test_masks_hold_exactly_the_tokens_that_continue_the_grammar(tokenizer):
     for token in tokenizer.encode("yes", add_special_tokens=False):
         assert matchers.consume("a", token)
     assert matchers.done("a")
-    mask, _ = matchers.fill([("b", 0)], 1)
+    mask, _ = matchers.fill([("b", 0, ())], 1)
     assert (mask[0] == bits([i for i, p in text.items() if p and set(p) == {"x"}] + [eos], vocab)).all()
     assert matchers.fill_steps == 2 and matchers.fill_seconds > 0
     matchers.remove("a")
@@ -158,7 +158,7 @@ def test_a_schema_without_additional_properties_allows_none(tokenizer):
     matchers.add("a", StructuredOutputs(json={"type": "object", "properties": {"a": {"enum": [1]}}}))
     for token in tokenizer.encode('{"a": 1', add_special_tokens=False):
         assert matchers.consume("a", token)
-    mask, _ = matchers.fill([("a", 0)], 1)  # the object can only end: no ", " for a property of the model's own
+    mask, _ = matchers.fill([("a", 0, ())], 1)  # the object can only end: no ", " for a property of the model's own
     assert (mask[0] == bits([i for i, p in pieces(tokenizer).items() if p == "}"], vocab)).all()
 
 
@@ -364,9 +364,9 @@ def test_a_mask_that_fails_is_found_row_by_row(tokenizer, fault):
     matchers = GrammarMatchers(tokenizer, 160, (2,))
     matchers.add("a", StructuredOutputs(choice=["yes", "no"]))
     matchers.add("b", StructuredOutputs(regex="x+"))
-    whole, _ = matchers.fill([("a", 0), ("b", 2)], 3)
+    whole, _ = matchers.fill([("a", 0, ()), ("b", 2, ())], 3)
     fault("grammar_mask", "a")
-    mask, failed = matchers.fill([("a", 0), ("b", 2)], 3)
+    mask, failed = matchers.fill([("a", 0, ()), ("b", 2, ())], 3)
     assert failed == ["a"] and (mask[0] == -1).all() and (mask[1:] == whole[1:]).all()
 
 

@@ -90,7 +90,8 @@ class EngineCore:
             self.blocks,
             make_policy(config.strategy, batch_size=config.batch_size,
                         max_batch_delay_s=config.max_batch_delay_ms / 1000),
-            speculator=Speculator(config.speculative) if config.speculative else None)
+            speculator=Speculator(config.speculative, lambda r, drafts: self.grammars.valid_prefix(r.request_id, drafts))
+            if config.speculative else None)
         self.grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
         self.overlaps_steps = config.overlaps_steps  # asks the backend: once, not every step
         self.idle = True  # the last step had nothing to run
@@ -188,7 +189,9 @@ class EngineCore:
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
         if constrained:
-            batch.allowed, failed = self.grammars.fill([(r.request_id, int(batch.rows[i])) for i, r in constrained],
+            drafts = schedule.drafts
+            batch.allowed, failed = self.grammars.fill([(r.request_id, int(batch.rows[i]), drafts.get(r, ()))
+                                                        for i, r in constrained],
                                                        len(batch.sample_slots))
             for request_id in failed:  # ended before the step runs: it writes their freed pages, as after an abort
                 request = next(r for _, r in constrained if r.request_id == request_id)
@@ -261,16 +264,22 @@ class EngineCore:
                     span = np.arange(row, row + 1 + len(schedule.drafts[r]))
                     verified[r] = (out.tokens[span].tolist(), None if out.logprobs is None or r.params.logprobs is None
                                    else _logprob_dicts(out.logprobs, span, [r] * len(span)))
+        # a request that drafted appends up to 1 + its drafts (steps with drafts run in order: no token pending)
+        before = {r: len(r.output_token_ids) for _, r in live if verified and r in verified}
         finished = self.scheduler.commit(schedule, tokens, logprobs, verified)
         for i, request in live:
-            try:
-                if self._advance_grammar(request, int(tokens[i])):
-                    finished.append(request)
-            except Exception:  # noqa: BLE001 — this request's matcher failed, not the step: it ends alone
-                log.exception("request %s: its grammar failed on token %d", request.request_id, int(tokens[i]))
-                if not request.finished:
-                    self.scheduler.finish(request, FinishReason.ERROR)
-                    finished.append(request)
+            appended = request.output_token_ids[before[request]:] if request in before else [int(tokens[i])]
+            for token in appended:
+                try:
+                    if self._advance_grammar(request, token):
+                        finished.append(request)
+                        break
+                except Exception:  # noqa: BLE001 — this request's matcher failed, not the step: it ends alone
+                    log.exception("request %s: its grammar failed on token %d", request.request_id, token)
+                    if not request.finished:
+                        self.scheduler.finish(request, FinishReason.ERROR)
+                        finished.append(request)
+                    break
         return finished
 
     def _advance_grammar(self, request: Request, token: int) -> bool:

@@ -9,7 +9,9 @@ bitmask of the tokens each constrained row may sample next.
     each step that samples a constrained row:
         fill ─► int32 bitmask [R, ceil(V / 32)] (all bits set for every other row), filled in
                 parallel across rows by llguidance's executor ─► StepBatch.allowed ─► the sampler
-                (if that raises, row by row: a request whose row raises ends with `error`)
+                (if that raises, row by row: a request whose row raises ends with `error`); a
+                request with speculative drafts (cut by valid_prefix to what its grammar accepts)
+                has a row per draft, masked as if the drafts before it had been consumed
         the sampled token comes back ─► consume ─► done (the grammar allows nothing but EOS): the
                                         request ends with `stop`
     release or abort ─► remove
@@ -176,19 +178,20 @@ class GrammarMatchers:
         self._matchers.pop(request_id, None)
         self._compiling.pop(request_id, None)  # a compile still running finishes unread
 
-    def fill(self, rows: Sequence[tuple[str, int]], num_rows: int) -> tuple[np.ndarray, list[str]]:
-        """The bitmask [num_rows, M] of a step: row i of each (request id, i) in `rows` holds the
-        tokens that request may sample next; every other row allows every token. And the ids of
-        the requests whose mask could not be computed (logged; their rows allow every token)."""
-        import llguidance.numpy as llnp
+    def fill(self, rows: Sequence[tuple[str, int, Sequence[int]]], num_rows: int) -> tuple[np.ndarray, list[str]]:
+        """The bitmask [num_rows, M] of a step: for each (request id, i, drafts) in `rows`, row i
+        holds the tokens that request may sample next, and rows i+1 ... i+len(drafts) those it may
+        sample after each of its drafts in turn (its matcher is left as it was); every other row
+        allows every token. And the ids of the requests whose mask could not be computed (logged;
+        their rows allow every token)."""
         start = time.perf_counter()
         mask = np.full((num_rows, self.words), -1, np.int32)
         failed = []
         try:
             if faults.armed:
-                for r, _ in rows:
+                for r, *_ in rows:
                     faults.check("grammar_mask", r)
-            llnp.fill_next_token_bitmask_par(self._executor, [(self._matchers[r], i) for r, i in rows], mask)
+            _fill(self._executor, [(self._matchers[r], i, drafts) for r, i, drafts in rows], mask)
         except Exception:  # noqa: BLE001 — find whose row it was: that request ends, the others keep their masks
             log.exception("filling the token masks of %d constrained rows failed: filling them one by one", len(rows))
             failed = self._fill_each(rows, mask)
@@ -196,20 +199,23 @@ class GrammarMatchers:
         self.fill_steps += 1
         return mask, failed
 
-    def _fill_each(self, rows: Sequence[tuple[str, int]], mask: np.ndarray) -> list[str]:
-        """Fills the rows one at a time; returns the requests whose row raised."""
-        import llguidance.numpy as llnp
+    def _fill_each(self, rows: Sequence[tuple[str, int, Sequence[int]]], mask: np.ndarray) -> list[str]:
+        """Fills the rows one request at a time; returns the requests whose rows raised."""
         failed = []
-        for r, i in rows:
+        for r, i, drafts in rows:
             try:
                 if faults.armed:
                     faults.check("grammar_mask", r)
-                llnp.fill_next_token_bitmask(self._matchers[r], mask, i)
+                _fill(self._executor, [(self._matchers[r], i, drafts)], mask)
             except Exception:  # noqa: BLE001 — this request's grammar, not the step
                 log.exception("request %s: its grammar's token mask failed: it ends with error", r)
-                mask[i] = -1
+                mask[i:i + 1 + len(drafts)] = -1
                 failed.append(r)
         return failed
+
+    def valid_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the request's grammar accepts next (its matcher unchanged)."""
+        return self._matchers[request_id].validate_tokens(list(tokens))
 
     def consume(self, request_id: str, token: int) -> bool:
         """Advances a request's matcher past its sampled token; False if the grammar refuses it
@@ -222,3 +228,15 @@ class GrammarMatchers:
 
     def error(self, request_id: str) -> str:
         return self._matchers[request_id].get_error()
+
+
+def _fill(executor, rows: Sequence[tuple[object, int, Sequence[int]]], mask: np.ndarray) -> None:
+    """(matcher, row, drafts) masks into `mask`, in parallel: llguidance takes the rows without
+    drafts and those with some in two calls."""
+    import llguidance.numpy as llnp
+    plain = [(matcher, i) for matcher, i, drafts in rows if not drafts]
+    drafting = [(matcher, i, list(drafts)) for matcher, i, drafts in rows if drafts]
+    if plain:
+        llnp.fill_next_token_bitmask_par(executor, plain, mask)
+    if drafting:
+        llnp.fill_next_token_bitmask_par_with_draft_tokens(executor, drafting, mask)

@@ -205,14 +205,12 @@ class Scheduler:
 
     def _draft(self, schedule: Schedule) -> None:
         """Gives decoding requests draft tokens to verify (`speculation`), within the budget the
-        step leaves and the pages free now (no one is preempted for a draft). Requests with a
-        grammar do not draft: the matcher must see each token before the next is masked."""
+        step leaves and the pages free now (no one is preempted for a draft)."""
         budget = self.config.max_num_batched_tokens - schedule.total_tokens
         if budget <= 0 or not self.speculator.new_step(len(self.running)):
             return
         for request in list(schedule.num_tokens)[:schedule.num_decodes]:
-            params = request.params
-            if request.stopping or request.num_pending_tokens or params.structured_outputs is not None:
+            if request.stopping or request.num_pending_tokens:
                 continue
             room = min(budget, request.max_num_tokens - request.num_tokens - 1)
             drafts = self.speculator.drafts(request, room)

@@ -10,7 +10,8 @@
 
 Acceptance is exact for greedy and for sampling alike: a draft is kept only where it is the token
 the sequence would have sampled anyway, so speculation changes no output, only how many tokens a
-step yields. It pays when the drafts are right often enough: a request whose drafts were accepted
+step yields. A request with a grammar drafts only what its grammar accepts next, and each of its
+rows is sampled under the grammar's mask after the drafts before it (grammars.py). It pays when the drafts are right often enough: a request whose drafts were accepted
 less than `min_acceptance` of the time (over its last drafts) stops drafting for `retry_steps`
 steps, and none drafts while more than `max_batch` requests run.
 Pure Python and numpy: no jax here.
@@ -19,7 +20,7 @@ Pure Python and numpy: no jax here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -61,9 +62,11 @@ class _Record:
 
 
 class Speculator:
-    def __init__(self, config):
-        """`config`: a `jaxserve.config.SpeculativeConfig`."""
+    def __init__(self, config, grammar_prefix: Callable[[Request, list[int]], int] = lambda request, drafts: 0):
+        """`config`: a `jaxserve.config.SpeculativeConfig`; `grammar_prefix(request, drafts)`: how
+        many leading drafts a request with a grammar may have (those its grammar accepts next)."""
         self.config = config
+        self.grammar_prefix = grammar_prefix
         self.k = config.num_speculative_tokens
         self.step = 0
         self._records: dict[Request, _Record] = {}
@@ -89,8 +92,11 @@ class Speculator:
         if k <= 0:
             return []
         c = self.config
-        return ngram_draft(request.prompt_token_ids + request.output_token_ids, k, c.prompt_lookup_min,
-                           c.prompt_lookup_max)
+        drafts = ngram_draft(request.prompt_token_ids + request.output_token_ids, k, c.prompt_lookup_min,
+                             c.prompt_lookup_max)
+        if drafts and request.params.structured_outputs is not None:
+            drafts = drafts[:self.grammar_prefix(request, drafts)]
+        return drafts
 
     def record(self, request: Request, drafted: int, kept: int) -> None:
         """A step verified `drafted` drafts of the request and accepted `kept`; past WINDOW drafted
