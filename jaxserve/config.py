@@ -102,8 +102,6 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
-        if self.speculative is not None and (self.mesh or {}).get("data", 1) > 1:
-            raise ValueError("speculative decoding runs on one replica: a mesh with a data axis is not supported yet")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         for name in ("dtype", "kv_cache_dtype"):

@@ -64,6 +64,7 @@ def check_list(hf_llama: str, tmp: str) -> list[list[str]]:
             [["layouts"], ["replicated_kv"], ["generate", "2x4", "pallas", "16"],
              ["generate", "2x4", "reference", "8", "4"], ["generate", "2x4", "reference", "8", "4", "4"],
              ["generate", "2x4", "reference", "8", "", "1", "int8"],
+             ["generate", "2x4", "reference", "8", "", "1", "", "3"], ["generate", "4x2", "reference", "8", "", "1", "", "3"],
              ["bad_meshes"], ["from_disk", hf_llama, *MESHES],
              ["orbax", tmp]])
 
@@ -177,14 +178,26 @@ def test_orbax_save_then_restore_under_another_mesh(checks, reference_tokens):
     assert run_check(checks, *orbax.split(" "))["tokens"] == reference_tokens
 
 
+@pytest.mark.parametrize("shape", ["2x4", "4x2"])
+def test_speculation_on_data_parallel_replicas_changes_no_token(checks, shape, reference_tokens):
+    """Drafts verified on every replica of a data axis: each replica's rows are its sequences'
+    last tokens and drafts; the tokens of one device without speculation, with drafts kept."""
+    got = run_check(checks, "generate", shape, "reference", "8", "", "1", "", "3")
+    assert got["tokens"] == reference_tokens
+    assert got["accepted_drafts"] > 0 and got["compiles_added_by_repeat"] == 0
+
+
 # ---- the checks, run in the subprocess ----
 
 def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", window: str = "",
-                   decode_steps: str = "1", quantization: str = "") -> dict:
+                   decode_steps: str = "1", quantization: str = "", speculative: str = "") -> dict:
     from jaxserve import Engine
     cfg = tiny_config(head_dim=int(head_dim), layer_windows=(int(window), None) if window else None)
+    drafts = {"num_speculative_tokens": int(speculative), "prompt_lookup_min": 1, "min_acceptance": 0.0} \
+        if speculative else None
     engine = Engine(cfg, tiny_weights(cfg), None, engine_config(mesh_dict(shape)).replace(
-        attention_backend=backend, decode_steps=int(decode_steps), quantization=quantization or None))
+        attention_backend=backend, decode_steps=int(decode_steps), quantization=quantization or None,
+        speculative=drafts))
     assert engine.runner.config.attention_backend == backend
     if quantization:  # a scale lies like its weight: column-parallel scales split with their columns
         attn, mlp = engine.runner.state["layers"]["attn"], engine.runner.state["layers"]["mlp"]
@@ -195,7 +208,8 @@ def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", 
     before = engine.stats()["num_compiles"]
     assert generate(engine) == tokens
     return {"tokens": tokens, "compiles_added_by_repeat": engine.stats()["num_compiles"] - before,
-            "multi_steps": sum(1 for s in engine.history if s.tokens > s.decode_rows + s.prefill_tokens)}
+            "multi_steps": sum(1 for s in engine.history if s.tokens > s.decode_rows + s.prefill_tokens),
+            "accepted_drafts": engine.stats()["spec_decode_num_accepted_tokens"]}
 
 
 def check_from_disk(path: str, *shapes: str) -> dict:

@@ -34,3 +34,21 @@ def test_two_replicas_deal_sequences_by_slot():
     assert b.meta.query_start.tolist() == [0, 3, 3, 0, 1, 1] and b.meta.num_seqs.tolist() == [1, 1]
     assert b.logits_indices.tolist() == [2, 0, 4, 0] and b.rows.tolist() == [1, 0]
     assert b.sample_positions.tolist() == [3, 11] and b.sample_slots.tolist() == [4, 3]
+
+
+def test_a_verifying_step_on_two_replicas_keeps_each_sequences_rows_together():
+    # speculation: slot 3 (replica 1) runs its last token, on the device, and drafts 8, 9 from
+    # position 10; slot 2 (replica 0) runs token 5 and draft 6 from position 4; every token samples
+    seqs = StepSeqs.of([ScheduledSeq(3, 10, [-1, 8, 9]), ScheduledSeq(2, 4, [5, 6])])
+    b = build_step(seqs, num_slots=4, page_size=16, buckets=StepBuckets(max_tokens=8, max_seqs=2, rows_per_seq=3),
+                   replicas=2, sample_rows=[3, 2])
+    assert b.shape == (8, 8)  # per replica: 4 tokens, 4 sampling rows
+    assert b.tokens.tolist() == [5, 6, 0, 0, 0, 8, 9, 0] and b.token_slots.tolist() == [-1, -1, -1, -1, 3, -1, -1, -1]
+    assert b.meta.positions.tolist() == [4, 5, 0, 0, 10, 11, 12, 0]
+    assert b.meta.kv_lens.tolist() == [6, 0, 13, 0] and b.seq_slots.tolist() == [2, 0, 3, 0]
+    assert b.meta.query_start.tolist() == [0, 2, 2, 0, 3, 3] and b.meta.num_seqs.tolist() == [1, 1]
+    w = len(b.logits_indices) // 2
+    assert b.logits_indices[:3].tolist() == [0, 1, 0] and b.logits_indices[w:w + 4].tolist() == [4, 5, 6, 0]
+    assert b.rows.tolist() == [4, 0]  # each sequence's first row: slot 3's in replica 1's slice
+    assert b.sample_positions.tolist() == [5, 6, 0, 0, 11, 12, 13, 0]
+    assert b.sample_slots.tolist() == [2, 2, 4, 4, 3, 3, 3, 4]

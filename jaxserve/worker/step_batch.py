@@ -175,8 +175,7 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     [n]: every sequence decodes (one token), each up to that many steps in one program; the
     arrays are its first step's, and the token bucket is the row bucket's (one program per row
     bucket). sample_rows [n]: how many of each sequence's last tokens sample a token after them
-    (speculation: its last token and its drafts; one replica); `rows` then gives each sequence's
-    first."""
+    (speculation: its last token and its drafts); `rows` then gives each sequence's first."""
     if sample_rows is not None:
         return _build_verifying_step(seqs, num_slots, buckets, table_updates, sampling_updates, sampling_mode,
                                      np.asarray(sample_rows, np.int32), replicas)
@@ -265,44 +264,64 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
 
 def _build_verifying_step(seqs: StepSeqs, num_slots: int, buckets: StepBuckets, table_updates, sampling_updates,
                           sampling_mode: str, sample_rows: np.ndarray, replicas: int) -> StepBatch:
-    """`build_step` where a sequence may sample after each of its last sample_rows[i] tokens (one
-    replica): each such token has a logits row and samples the token at its position + 1."""
-    if replicas != 1:
-        raise ValueError("a step that verifies drafts runs on one replica")
+    """`build_step` where a sequence may sample after each of its last sample_rows[i] tokens: each
+    such token has a logits row and samples the token at its position + 1. Sequences are dealt to
+    replicas as there; a sequence's rows are consecutive within its replica's slice."""
     n, lens = len(seqs.slots), seqs.lens.astype(np.int32)
-    ends = np.cumsum(lens)
-    total, num_rows = (int(ends[-1]), int(sample_rows.sum())) if n else (0, 0)
-    t_size, r_size = buckets.shape(total, n, num_rows)
+    replica = seqs.slots % replicas
+    order = np.argsort(replica, kind="stable")  # replica 0's, then 1's, ...
+    counts = np.bincount(replica, minlength=replicas)
+    token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
+    row_counts = np.bincount(replica, weights=sample_rows, minlength=replicas).astype(np.int64)
+    t_size, r_size = buckets.shape(int(token_counts.max(initial=0)), int(counts.max(initial=0)),
+                                   int(row_counts.max(initial=0)))
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
+    rep, lens, row_lens = replica[order], lens[order], sample_rows[order]
+    slots, starts, samples = seqs.slots[order], seqs.starts[order], seqs.samples[order]
+    index = np.arange(n) - (np.cumsum(counts) - counts)[rep]  # each sequence's place within its replica
+    ends = np.cumsum(lens)
+    total = int(ends[-1]) if n else 0
+    local_ends = ends - (np.cumsum(token_counts) - token_counts)[rep]  # token ends within the replica
     seq_of_token = np.repeat(np.arange(n), lens)
     offset_in_seq = np.arange(total) - (ends - lens)[seq_of_token]
-    first_row = np.cumsum(sample_rows) - sample_rows
-    seq_of_row = np.repeat(np.arange(n), sample_rows)
-    token_of_row = (ends - sample_rows)[seq_of_row] + np.arange(num_rows) - first_row[seq_of_row]  # flat index
+    token_rows = rep[seq_of_token] * t_size + (local_ends - lens)[seq_of_token] + offset_in_seq
+    src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]  # the token ids in `order`
+    flat_ids = seqs.token_ids[src_start[seq_of_token] + offset_in_seq]
+    row_ends = np.cumsum(row_lens)
+    num_rows = int(row_ends[-1]) if n else 0
+    first_row = row_ends - row_lens - (np.cumsum(row_counts) - row_counts)[rep]  # within the replica
+    seq_of_row = np.repeat(np.arange(n), row_lens)
+    row_in_seq = np.arange(num_rows) - (row_ends - row_lens)[seq_of_row]
+    row_rep = rep[seq_of_row]
+    row_dest = first_row[seq_of_row] + row_in_seq  # within the replica
+    token_of_row = row_rep * t_size + (local_ends - row_lens)[seq_of_row] + row_in_seq  # the token it follows
 
-    tokens = np.zeros(t_size, np.int32)
-    token_slots = np.full(t_size, -1, np.int32)
-    positions = np.zeros(t_size, np.int32)
-    token_seq_slots = np.full(t_size, -1, np.int32)
-    on_device = seqs.token_ids < 0
-    tokens[:total] = np.where(on_device, 0, seqs.token_ids)
-    token_slots[:total] = np.where(on_device, seqs.slots[seq_of_token], -1)
-    positions[:total] = seqs.starts[seq_of_token] + offset_in_seq
-    token_seq_slots[:total] = seqs.slots[seq_of_token]
-    kv_lens, seq_slots = np.zeros(s_size, np.int32), np.zeros(s_size, np.int32)
-    kv_lens[:n], seq_slots[:n] = seqs.starts + lens, seqs.slots
-    query_start = np.full(s_size + 1, total, np.int32)
-    query_start[0], query_start[1:n + 1] = 0, ends
-    logits_indices = np.zeros(w_size, np.int32)
-    logits_indices[:num_rows] = token_of_row
-    sample_positions = np.zeros(r_size, np.int32)
-    sample_slots = np.full(r_size, num_slots, np.int32)
-    sample_positions[:num_rows] = positions[token_of_row] + 1
-    sample_slots[:num_rows] = np.where(seqs.samples, seqs.slots, num_slots)[seq_of_row]
+    tokens = np.zeros(replicas * t_size, np.int32)
+    token_slots = np.full(replicas * t_size, -1, np.int32)
+    positions = np.zeros(replicas * t_size, np.int32)
+    token_seq_slots = np.full(replicas * t_size, -1, np.int32)
+    on_device = flat_ids < 0
+    tokens[token_rows] = np.where(on_device, 0, flat_ids)
+    token_slots[token_rows] = np.where(on_device, slots[seq_of_token], -1)
+    positions[token_rows] = starts[seq_of_token] + offset_in_seq
+    token_seq_slots[token_rows] = slots[seq_of_token]
+    kv_lens, seq_slots = np.zeros(replicas * s_size, np.int32), np.zeros(replicas * s_size, np.int32)
+    kv_lens[rep * s_size + index], seq_slots[rep * s_size + index] = starts + lens, slots
+    query_start = np.zeros((replicas, s_size + 1), np.int32)  # past a replica's last sequence: its total
+    query_start[:, 1:] = token_counts[:, None]
+    query_start[rep, index + 1] = local_ends
+    logits_indices = np.zeros(replicas * w_size, np.int32)
+    logits_indices[row_rep * w_size + row_dest] = token_of_row
+    sample_positions = np.zeros(replicas * r_size, np.int32)
+    sample_slots = np.full(replicas * r_size, num_slots, np.int32)
+    sample_positions[row_rep * r_size + row_dest] = positions[token_of_row] + 1
+    sample_slots[row_rep * r_size + row_dest] = np.where(samples, slots, num_slots)[seq_of_row]
+    rows = np.zeros(n, np.int64)
+    rows[order] = rep * r_size + first_row
     meta = StepMetadata(positions=positions, slot_mapping=None, kv_lens=kv_lens, block_tables=None,
-                        query_start=query_start, num_seqs=np.array([n], np.int32))
+                        query_start=query_start.reshape(-1), num_seqs=counts.astype(np.int32))
     sampling_slots, sampling = sampling_updates if sampling_updates is not None else _NO_SAMPLING_UPDATES
-    return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, first_row, seq_slots,
+    return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
                      token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
                      sampling_slots, sampling, sampling_mode, num_tokens=total)
 
