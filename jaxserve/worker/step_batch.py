@@ -221,15 +221,8 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
         rows[order] = rep * r_size + index
         sample_rows = rows[order]
 
-    tokens = np.zeros(replicas * t_size, np.int32)
-    token_slots = np.full(replicas * t_size, -1, np.int32)
-    positions = np.zeros(replicas * t_size, np.int32)
-    token_seq_slots = np.full(replicas * t_size, -1, np.int32)
-    on_device = flat_ids < 0
-    tokens[token_rows] = np.where(on_device, 0, flat_ids)
-    token_slots[token_rows] = np.where(on_device, slots[seq_of_token], -1)
-    positions[token_rows] = starts[seq_of_token] + offset_in_seq
-    token_seq_slots[token_rows] = slots[seq_of_token]
+    tokens, token_slots, positions, token_seq_slots = _token_columns(
+        replicas * t_size, token_rows, flat_ids, slots[seq_of_token], starts[seq_of_token] + offset_in_seq)
 
     kv_lens = np.zeros(replicas * s_size, np.int32)
     seq_slots = np.zeros(replicas * s_size, np.int32)
@@ -296,15 +289,8 @@ def _build_verifying_step(seqs: StepSeqs, num_slots: int, buckets: StepBuckets, 
     row_dest = first_row[seq_of_row] + row_in_seq  # within the replica
     token_of_row = row_rep * t_size + (local_ends - row_lens)[seq_of_row] + row_in_seq  # the token it follows
 
-    tokens = np.zeros(replicas * t_size, np.int32)
-    token_slots = np.full(replicas * t_size, -1, np.int32)
-    positions = np.zeros(replicas * t_size, np.int32)
-    token_seq_slots = np.full(replicas * t_size, -1, np.int32)
-    on_device = flat_ids < 0
-    tokens[token_rows] = np.where(on_device, 0, flat_ids)
-    token_slots[token_rows] = np.where(on_device, slots[seq_of_token], -1)
-    positions[token_rows] = starts[seq_of_token] + offset_in_seq
-    token_seq_slots[token_rows] = slots[seq_of_token]
+    tokens, token_slots, positions, token_seq_slots = _token_columns(
+        replicas * t_size, token_rows, flat_ids, slots[seq_of_token], starts[seq_of_token] + offset_in_seq)
     kv_lens, seq_slots = np.zeros(replicas * s_size, np.int32), np.zeros(replicas * s_size, np.int32)
     kv_lens[rep * s_size + index], seq_slots[rep * s_size + index] = starts + lens, slots
     query_start = np.zeros((replicas, s_size + 1), np.int32)  # past a replica's last sequence: its total
@@ -324,6 +310,20 @@ def _build_verifying_step(seqs: StepSeqs, num_slots: int, buckets: StepBuckets, 
     return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
                      token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
                      sampling_slots, sampling, sampling_mode, num_tokens=total)
+
+
+def _token_columns(size: int, rows, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> tuple:
+    """A step's per-token arrays of `size` rows, its tokens at `rows` (a slice or indices): their
+    ids (0 where the id is negative: the token is on the device, read through its slot), their
+    slots (-1 elsewhere), their positions and their sequences' slots."""
+    tokens, token_slots = np.zeros(size, np.int32), np.full(size, -1, np.int32)
+    token_positions, token_seq_slots = np.zeros(size, np.int32), np.full(size, -1, np.int32)
+    on_device = ids < 0
+    tokens[rows] = np.where(on_device, 0, ids)
+    token_slots[rows] = np.where(on_device, slots, -1)
+    token_positions[rows] = positions
+    token_seq_slots[rows] = slots
+    return tokens, token_slots, token_positions, token_seq_slots
 
 
 def table_metadata(meta: StepMetadata, block_tables, seq_slots, token_seq_slots, page_size: int) -> StepMetadata:
