@@ -3,7 +3,7 @@ pause while it walks them.
 
 A started serving process holds a few hundred thousand objects that live as long as it does: jax
 and its compiled programs, the tokenizer, the app's routes. Each full (generation 2) collection
-walked all of them: 160-230 ms on a 2-core AMD EPYC, during which every stream of that process
+walked all of them: 160-245 ms on a 2-core AMD EPYC, during which every stream of that process
 stopped (the largest gaps between tokens that scripts/bench_isolation.py saw). `gc.freeze()` moves
 the objects alive at that moment into a generation the collector never walks again; what requests
 create later is collected as before. The `jaxserve serve` processes call it once they are ready.

@@ -11,9 +11,11 @@
 Acceptance is exact for greedy and for sampling alike: a draft is kept only where it is the token
 the sequence would have sampled anyway, so speculation changes no output, only how many tokens a
 step yields. A request with a grammar drafts only what its grammar accepts next, and each of its
-rows is sampled under the grammar's mask after the drafts before it (grammars.py). It pays when the drafts are right often enough: a request whose drafts were accepted
-less than `min_acceptance` of the time (over its last drafts) stops drafting for `retry_steps`
-steps, and none drafts while more than `max_batch` requests run.
+rows is sampled under the grammar's mask after the drafts before it (grammars.py).
+
+It pays when the drafts are right often enough: a request whose drafts were accepted less than
+`min_acceptance` of the time (over its last drafts) stops drafting for `retry_steps` steps, and
+none drafts while more than `max_batch` requests run.
 Pure Python and numpy: no jax here.
 """
 
