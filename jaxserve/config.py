@@ -11,7 +11,7 @@ QUANTIZATIONS = (None, "int8", "w8a8", "auto")  # jaxserve.model.quantization; "
 BACKENDS = ("auto", "pallas", "reference")  # "auto" and pallas_kernels.IMPLEMENTATIONS (jax-free here)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,6 +20,8 @@ class SpeculativeConfig:
     `--speculative-config`: each decoding sequence drafts up to `num_speculative_tokens` tokens,
     which one step verifies. "ngram": the tokens that followed the sequence's last
     `prompt_lookup_max` .. `prompt_lookup_min` tokens where they last occurred in it before.
+    "draft_model": the greedy tokens of `model`, a smaller checkpoint of the same vocabulary
+    (`jaxserve.engine.draft_model`).
     Drafting pauses for a request whose drafts are accepted less than `min_acceptance` of the time
     (it tries again `retry_steps` steps later), and for every request while more than
     `max_batch` run (a large batch fills the device without it)."""
@@ -31,10 +33,14 @@ class SpeculativeConfig:
     min_acceptance: float = 0.3
     retry_steps: int = 32
     max_batch: int = 8
+    model: str | None = None  # draft_model: the draft's checkpoint (a folder or a .gguf)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('speculative "model" names the draft model\'s checkpoint: the draft_model method needs '
+                             'one, and the ngram method takes none')
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "retry_steps", "max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

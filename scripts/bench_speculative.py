@@ -1,8 +1,9 @@
-"""Speculative decoding with n-gram drafts against none, side by side in one process, on the
-default model (Gemma 3 270M) unless --model is given:
+"""Speculative decoding with n-gram drafts (or --draft-model's) against none, side by side in one
+process, on the default model (Gemma 3 270M) unless --model is given:
 
     python scripts/bench_speculative.py                      # K = 3: grounded, open, json, sampling
     python scripts/bench_speculative.py --k 5 --parts grounded
+    python scripts/bench_speculative.py --parts grounded --draft-model PATH   # a draft model's drafts
 
 - `grounded`: 8 prompts whose answer repeats the prompt (fix a paragraph's spelling, add type
   hints to a function), --new-tokens greedy tokens each, one request at a time; the two engines
@@ -154,8 +155,14 @@ def main():
     parser.add_argument("--seeds", type=int, default=2000)
     parser.add_argument("--batches", default="2,4,8,16,32")
     parser.add_argument("--parts", default="grounded,open,json,sampling")
+    parser.add_argument("--draft-model", help="drafts from this checkpoint (method draft_model), not n-grams; "
+                        "'default': Gemma 3 270M, the default model")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.draft_model:
+        from jaxserve.model.default_model import default_model_path
+        path = default_model_path() if args.draft_model == "default" else args.draft_model
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": args.k}
     engines = {label: Engine.from_pretrained(args.model, EngineConfig(speculative=spec if label == "on" else None))
                for label in ("off", "on")}
     for engine in engines.values():

@@ -13,6 +13,7 @@ import pytest
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.batching.speculation import Speculator, accepted, ngram_draft
+from conftest import build_checkpoint
 
 BASE = dict(max_slots=4, page_size=8, num_pages=96, max_model_len=160, dtype="float32")
 # Prompts that repeat themselves, so that drafts are found (and a tiny random model's greedy
@@ -253,6 +254,76 @@ def test_no_compile_after_warmup(engines):
     engine.generate(PROMPTS, params)
     assert engine.stats()["num_compiles"] == compiles and engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_idle(engine)
+
+
+@pytest.fixture(scope="module")
+def drafted(checkpoints):
+    """Engines over a tiny Llama drafting with a draft model (K = 3), by the draft's kind: "llama"
+    (the target's own checkpoint: its greedy drafts are the target's greedy tokens) or "qwen3"
+    (other weights, the same vocabulary); and the same engine without speculation. Warmed up."""
+    built = {}
+
+    def get(draft: str, **more):
+        key = (draft, tuple(sorted(more.items())))
+        if key not in built:
+            spec = {"method": "draft_model", "model": checkpoints(draft), "num_speculative_tokens": 3,
+                    "min_acceptance": 0.0}
+            on = Engine.from_pretrained(checkpoints("llama"), EngineConfig(**{**BASE, **more}, speculative=spec))
+            on.warmup()
+            built[key] = on, on.with_strategy("paged", speculative=None)
+        return built[key]
+    return get
+
+
+def counts(engine) -> tuple[int, int]:
+    stats = engine.stats()
+    return stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+
+
+def test_a_draft_model_of_the_targets_weights_has_every_greedy_draft_kept(drafted):
+    on, off = drafted("llama")
+    params = [SamplingParams(max_tokens=12 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    before = counts(on)
+    assert tokens_of(on, PROMPTS, params) == tokens_of(off, PROMPTS, params)
+    drafted_tokens, kept = (a - b for a, b in zip(counts(on), before))
+    assert drafted_tokens > 0 and kept == drafted_tokens
+    assert_idle(on)
+
+
+@pytest.mark.parametrize("draft", ["llama", "qwen3"])
+def test_a_draft_model_changes_no_token_greedy_or_sampled(drafted, draft):
+    on, off = drafted(draft)
+    compiles = on.stats()["num_compiles"]
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(max_tokens=20 + 4 * i, temperature=temperature, top_p=0.9, seed=i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        before = counts(on)
+        assert tokens_of(on, PROMPTS, params) == tokens_of(off, PROMPTS, params), temperature
+        assert counts(on)[0] > before[0]
+    assert on.stats()["num_compiles"] == compiles  # the draft model's steps were warmed up too
+    assert_idle(on)
+
+
+def test_a_draft_model_through_preemption_and_prefix_hits_changes_no_token(drafted):
+    on, off = drafted("llama", num_pages=14, max_model_len=96)  # as in the n-gram test above: they preempt
+    shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
+    prompts = [shared + p for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    before = counts(on)
+    assert tokens_of(on, prompts, params) == tokens_of(off, prompts, params)
+    stats = on.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert counts(on)[1] - before[1] == counts(on)[0] - before[0] > 0  # its own weights: every draft kept
+    assert_idle(on)
+
+
+def test_a_draft_model_of_another_vocabulary_is_a_value_error(checkpoints, tmp_path):
+    other = build_checkpoint(str(tmp_path / "other"), "llama", vocab_size=320)
+    with pytest.raises(ValueError, match="a draft model must share the target's tokenizer"):
+        Engine.from_pretrained(checkpoints("llama"), EngineConfig(**BASE, speculative={
+            "method": "draft_model", "model": other}))
+    with pytest.raises(ValueError, match="the draft_model method needs one"):
+        EngineConfig(speculative={"method": "draft_model"})
 
 
 def test_the_server_serves_the_tokens_and_exports_the_counters(engines):

@@ -139,6 +139,8 @@ def start(group: Group, build: Callable[[], Any], fatal: Callable[[str], None]) 
         channel = step_channel.Follower(f"tcp://{group.host}:{port}", group.secret, group.process_id, fatal)
         channel.wait_connected(CONNECT_TIMEOUT_S)
     engine = build()
+    if engine.core.drafter is not None:  # its steps would run in this process alone, not mirrored to the others
+        raise ValueError("speculative decoding with a draft model does not run in a multi-host group yet")
     _check_same_engine(group, engine, fatal)
     multihost_utils.sync_global_devices("jaxserve: every process of the group is ready")
     if group.is_leader:

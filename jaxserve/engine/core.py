@@ -41,6 +41,7 @@ from jaxserve.engine.batching import BlockManager, FinishReason, Request, Schedu
 from jaxserve.engine.batching.request import PENDING, RequestStatus
 from jaxserve.engine.batching.speculation import Speculator
 from jaxserve.engine.batching.structured_outputs import short_error
+from jaxserve.engine.draft_model import DraftModel
 from jaxserve.engine.grammars import GrammarMatchers
 from jaxserve.faults import faults
 from jaxserve.model.config import ModelConfig
@@ -73,12 +74,13 @@ class EngineCore:
     matchers of constrained requests."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: Runner, max_model_len: int,
-                 tokenizer=None):
+                 tokenizer=None, drafter: DraftModel | None = None):
+        """`drafter`: the draft model, with speculative method "draft_model"."""
         budget = config.step_token_budget(max_model_len)
         if budget > runner.config.max_num_batched_tokens:
             raise ValueError(f"a step of {budget} tokens exceeds the compiled steps' "
                              f"{runner.config.max_num_batched_tokens}: build a new engine for this budget")
-        self.config, self.runner = config, runner
+        self.config, self.runner, self.drafter = config, runner, drafter
         windows = runner.kv_groups.windows
         self.blocks = BlockManager(runner.config.num_pages, config.page_size, config.enable_prefix_caching,
                                    num_groups=len(windows))
@@ -169,6 +171,8 @@ class EngineCore:
                     finished.append(request)
             # Their K/V may never have been written, whether or not the pool survived.
             finished += self.scheduler.forget([p for s in failed for p in s.cached_pages])
+            if self.drafter is not None:
+                self.drafter.recover()
             if self.runner.recover():  # a zeroed pool: no computed token or cached page is in it any more
                 finished += self.scheduler.preempt_all()
                 self.blocks.reset_prefix_cache()
@@ -185,6 +189,8 @@ class EngineCore:
         if steps > 1 and schedule.num_decodes == len(schedule.num_tokens) and not self.scheduler.table.num_host_steps \
                 and not schedule.drafts:
             self.scheduler.look_ahead(schedule, steps)
+        if self.drafter is not None and schedule.drafts:
+            self.drafter.propose(schedule.drafts)
         batch = self._build(schedule)
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
@@ -324,7 +330,7 @@ class EngineCore:
             "kv_groups": self.kv_group_pages(),
             "prefix_cache_queries": scheduler.prefix_cache_queries,  # prompt tokens looked up
             "prefix_cache_hits": scheduler.prefix_cache_hits,  # of those, found in the cache
-            "num_compiles": runner.num_compiles,
+            "num_compiles": runner.num_compiles + (self.drafter.runner.num_compiles if self.drafter else 0),
             "tokens_run": runner.tokens_run,  # real tokens through the model
             "tokens_computed": runner.tokens_computed,  # the same with bucket padding
             "num_preemptions": scheduler.num_preemptions,

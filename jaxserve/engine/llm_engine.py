@@ -22,6 +22,7 @@ from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.distributed.sharding import canonical_sharding_for, make_mesh
 from jaxserve.engine.batching import Request, RequestOutput, SamplingParams
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.draft_model import DraftModel
 from jaxserve.engine.input_processor import InputProcessor, Prompt, as_prompt_list
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.resources import INHERITED, build_runner, describe_groups
@@ -38,10 +39,11 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model_config: ModelConfig, weights, tokenizer: Tokenizer | None,
-                 config: EngineConfig | None = None, model_name: str = "model", *, runner: Runner | None = None):
+                 config: EngineConfig | None = None, model_name: str = "model", *, runner: Runner | None = None,
+                 drafter: DraftModel | None = None):
         """`weights`: the model's arrays by name (see `jaxserve.model.weights`). `runner`: another
         engine's runner (its model, compiled steps and KV pool) to schedule over instead of
-        building one from `weights` (see `with_strategy`)."""
+        building one from `weights` (see `with_strategy`); `drafter`: its draft model, likewise."""
         config = config or EngineConfig()
         self.config, self.model_config, self.tokenizer, self.model_name = config, model_config, tokenizer, model_name
         if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
@@ -55,7 +57,9 @@ class Engine:
         self.runner = runner
         self.max_model_len = runner.config.max_model_len
         self.inputs = InputProcessor(tokenizer, model_config, self.max_model_len, config.seed)
-        self.core = EngineCore(config, model_config, runner, self.max_model_len, tokenizer)
+        if drafter is None and config.speculative is not None and config.speculative.method == "draft_model":
+            drafter = DraftModel.load(config, model_config, runner, self.backend)
+        self.core = EngineCore(config, model_config, runner, self.max_model_len, tokenizer, drafter)
         self.outputs = OutputProcessor(tokenizer)
         self.scheduler, self.blocks = self.core.scheduler, self.core.blocks
         self._requests: dict[str, Request] = {}
@@ -73,14 +77,18 @@ class Engine:
         if speculative is not None and speculative.num_speculative_tokens > self.runner.config.speculative_tokens:
             raise ValueError(f"{speculative.num_speculative_tokens} speculative tokens need a new engine: this one's "
                              f"steps sample at most {1 + self.runner.config.speculative_tokens} rows a sequence")
+        drafter = self.core.drafter if speculative is not None and self.config.speculative is not None and \
+            speculative.model == self.config.speculative.model else None
         return Engine(self.model_config, None, self.tokenizer, self.config.replace(strategy=strategy, **changes),
-                      self.model_name, runner=self.runner)
+                      self.model_name, runner=self.runner, drafter=drafter)
 
     def warmup(self, progress: bool = False) -> int:
         """Compiles every program a step may run (every bucket, sampling with and without
         logprobs), or loads it from the compile cache (`$JAXSERVE_CACHE/compiled`), so that no
         request ever waits for a compile; returns how many were new. `progress`: a tqdm bar on
         stderr."""
+        if self.core.drafter is not None:
+            self.core.drafter.runner.warmup()
         if not progress:
             return self.runner.warmup()
         from tqdm import tqdm
@@ -262,6 +270,7 @@ _RUNNER_FIELDS = {"max_slots", "page_size", "num_pages", "kv_cache_bytes", "gpu_
 def _describe_speculation(spec) -> str:
     if spec is None:
         return "speculative decoding off"
-    return (f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafts a step (lookup "
-            f"{spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens), paused below {spec.min_acceptance:.0%} "
-            f"acceptance and past {spec.max_batch} running")
+    drafts = (f"the greedy tokens of {spec.model}" if spec.method == "draft_model" else
+              f"lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens")
+    return (f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafts a step ({drafts}), "
+            f"paused below {spec.min_acceptance:.0%} acceptance and past {spec.max_batch} running")

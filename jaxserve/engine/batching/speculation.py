@@ -86,7 +86,9 @@ class Speculator:
         return running <= self.config.max_batch
 
     def drafts(self, request: Request, room: int) -> list[int]:
-        """Up to min(K, room) draft tokens for a decoding request, or [] (none found, or paused)."""
+        """Up to min(K, room) draft tokens for a decoding request, or [] (none found, or paused).
+        With a draft model, min(K, room) places for its tokens (`jaxserve.engine.draft_model`);
+        requests with a grammar do not draft then (the draft model's tokens would need its masks)."""
         record = self._records.get(request)
         if record is not None and self.step < record.paused_until:
             return []
@@ -94,6 +96,8 @@ class Speculator:
         if k <= 0:
             return []
         c = self.config
+        if c.method == "draft_model":  # reserved here, drawn by the draft model before the step is built
+            return [] if request.params.structured_outputs is not None else [0] * k
         drafts = ngram_draft(request.prompt_token_ids + request.output_token_ids, k, c.prompt_lookup_min,
                              c.prompt_lookup_max)
         if drafts and request.params.structured_outputs is not None:

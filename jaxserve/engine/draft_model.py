@@ -1,0 +1,127 @@
+"""Speculative drafts from a smaller model of the same vocabulary (`{"method": "draft_model",
+"model": PATH}`).
+
+The draft model has a runner of its own (its weights and compiled steps) whose KV pool has the
+target's page geometry and is addressed by the target's page ids: the pages a sequence holds hold
+its draft K/V beside its target K/V, with no accounting of their own. Each pass sends the block-table
+entries of the sequences it runs, whole, so the draft's tables never depend on the target's.
+
+    Scheduler._draft reserves up to K draft tokens, and their pages, per decoding request ─►
+    DraftModel.propose(schedule), before the step is built:
+        catch up: each drafting sequence's tokens from the first whose draft K/V is not written
+                  through its last token (its prompt the first time; after a step, the tokens it
+                  kept), in passes within the step's token budget; the last one samples draft 1
+        then K - 1 passes of one token a sequence: draft j - 1 in, draft j out
+    ─► the step verifies the drafts as it verifies n-gram ones (`speculation.accepted`)
+
+A draft is the draft model's greedy token: for a draft distribution that puts all its mass on one
+token, keeping the draft exactly where the target samples that same token is the rejection
+sampling of Leviathan et al. and Chen et al. (2023), so outputs are the target's, greedy or
+sampled. Draft K/V past what a step kept is stale: it lies past the sequence's length, where the
+next catch-up writes over it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.engine.batching.request import Request
+from jaxserve.engine.resources import build_runner
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader import load_model
+from jaxserve.worker.runner import Runner
+from jaxserve.worker.step_batch import StepSeqs, build_step
+
+
+class DraftModel:
+    @classmethod
+    def load(cls, config, target: ModelConfig, runner: Runner, backend: str) -> "DraftModel":
+        """The draft model of `config.speculative` (an EngineConfig's), for a target of config
+        `target` whose runner is `runner`: its checkpoint loaded, and a runner of its own whose KV
+        pool has the target's pages. ValueError if its vocabulary is not the target's."""
+        path = config.speculative.model
+        model_config, weights, _, _ = load_model(path, config.weights_dtype)
+        if model_config.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model {path} has a vocabulary of {model_config.vocab_size} tokens, the "
+                             f"target {target.vocab_size}: a draft model must share the target's tokenizer")
+        if model_config.max_position_embeddings < runner.config.max_model_len:
+            raise ValueError(f"the draft model {path} reads {model_config.max_position_embeddings} positions, fewer "
+                             f"than max_model_len ({runner.config.max_model_len})")
+        draft_config = config.replace(num_pages=runner.config.num_pages, kv_cache_bytes=None, speculative=None,
+                                      max_model_len=runner.config.max_model_len, quantization=None)
+        return cls(build_runner(draft_config, model_config, weights, backend)[0], config.max_slots)
+
+    def __init__(self, runner: Runner, max_slots: int):
+        """`runner`: the draft model's, with the target's pages (`num_pages`, `page_size`)."""
+        self.runner = runner
+        self.max_slots = max_slots
+        self.page_size = runner.config.page_size
+        self.budget = runner.config.max_num_batched_tokens
+        # per sequence: how many of its first tokens have draft K/V in its pages, and its preemptions then
+        self._written: dict[Request, tuple[int, int]] = {}
+        self.num_passes = 0
+
+    def propose(self, drafts: dict[Request, list[int]]) -> None:
+        """Fills each request's reserved drafts (`drafts[r]`, K placeholders or fewer) with the draft
+        model's greedy tokens after its last one. Every request decodes: its last token is on the
+        host, at position `num_computed_tokens`."""
+        self._written = {r: w for r, w in self._written.items() if not r.finished}
+        wanted = {r: len(d) for r, d in drafts.items()}
+        out: dict[Request, list[int]] = {r: [] for r in drafts}
+        # catch up, then draft 1: the tokens from the first without draft K/V (a preempted sequence's
+        # are in pages it gave up) through the last one
+        todo = {}
+        for r in drafts:
+            written, preemptions = self._written.get(r, (0, r.num_preemptions))
+            todo[r] = min(written, r.num_computed_tokens) if preemptions == r.num_preemptions else 0
+        tables = _table_entries(drafts)
+        while todo:
+            room, run = self.budget, []
+            for r, start in todo.items():
+                n = min(r.num_computed_tokens + 1 - start, room)
+                if n > 0:
+                    run.append((r, start, n))
+                    room -= n
+            sampled = self._pass(run, tables)
+            tables = None
+            for (r, start, n), token in zip(run, sampled):
+                todo[r] = start + n
+                if todo[r] == r.num_computed_tokens + 1:
+                    out[r].append(token)
+                    del todo[r]
+        # drafts 2..K: one token a sequence a pass
+        for j in range(1, max(wanted.values(), default=0)):
+            run = [(r, r.num_computed_tokens + j, 1) for r in drafts if wanted[r] > j]
+            for (r, _, _), token in zip(run, self._pass(run, None, [out[r][-1] for r, _, _ in run])):
+                out[r].append(token)
+        for r in drafts:
+            self._written[r] = r.num_computed_tokens + wanted[r], r.num_preemptions  # through draft K - 1's position
+            drafts[r] = out[r]
+
+    def recover(self) -> None:
+        """After a failed step: a pool the failure consumed is replaced (zeroed), so no draft K/V is left."""
+        if self.runner.recover():
+            self._written.clear()
+
+    def _pass(self, run: list[tuple[Request, int, int]], tables: np.ndarray | None,
+              tokens: list[int] | None = None) -> list[int]:
+        """One step of the draft model: each (request, start, n) runs its tokens start..start+n
+        (or, given `tokens`, that one token) and samples greedily after the last; the sampled
+        token of each, for those whose pass reaches their last token (the caller knows which)."""
+        if tokens is None:
+            ids = [t for r, start, n in run for t in r.token_ids(start, start + n)]
+        else:
+            ids = tokens
+        seqs = StepSeqs(np.array([r.slot for r, _, _ in run], np.int64), np.array([s for _, s, _ in run], np.int32),
+                        np.array([n for _, _, n in run], np.int32), np.array(ids, np.int32),
+                        np.ones(len(run), bool))
+        batch = build_step(seqs, self.max_slots, self.page_size, self.runner.buckets, self.runner.replicas,
+                           tables, None, "greedy")
+        self.num_passes += 1
+        return self.runner.step(batch).tokens[batch.rows].tolist()
+
+
+def _table_entries(requests) -> np.ndarray:
+    """[n, 4] (slot, group, index, page): every block-table entry of the requests' pages."""
+    entries = [(r.slot, g, i, page) for r in requests for g, pages in enumerate(r.pages) for i, page in enumerate(pages)]
+    return np.array(entries, np.int32).reshape(-1, 4)
