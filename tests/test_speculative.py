@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
@@ -36,6 +37,29 @@ def test_acceptance_is_the_drafts_equal_to_the_tokens_sampled_before_them():
     assert accepted([4, 5, 6], [4, 9, 6, 7]) == 1
     assert accepted([4, 5, 6], [1, 5, 6, 7]) == 0
     assert accepted([], [3]) == 0
+
+
+def test_verification_leaves_the_targets_distribution_exactly_by_enumeration():
+    """Every outcome of a verifying step, enumerated on a vocabulary of 5 with a random target:
+    the step samples a token after the last one (p1) and after each draft (p2 given the draft),
+    keeps the drafts `accepted` says, and a rejected sequence's next step samples after the token
+    it kept. For any greedy draft (a draft distribution with all its mass on one token: the
+    draft model's; an n-gram's) the two tokens come out as the target's joint p1(x1) p2(x2 | x1),
+    to 1e-6: Leviathan et al.'s accept-with-p(d), resample-from-the-rest, for that draft."""
+    rng = np.random.default_rng(0)
+    vocab = 5
+    p1 = rng.dirichlet(np.ones(vocab))
+    p2 = rng.dirichlet(np.ones(vocab), size=vocab)  # p2[x1]: the target after x1
+    for d1, d2 in [(0, 0), (2, 4), (4, 1)]:
+        out = np.zeros((vocab, vocab))
+        for s1 in range(vocab):  # sampled after the last token
+            for s2 in range(vocab):  # sampled after draft 1, as if it were kept
+                weight = p1[s1] * p2[d1][s2]  # (the token sampled after draft 2 leaves x1, x2 alone)
+                if accepted([d1, d2], [s1, s2, 0]) == 0:  # the step keeps s1; the next one samples after it
+                    out[s1] += weight * p2[s1]
+                else:  # it keeps d1 (= s1), then s2: the token sampled after it, or draft 2 if equal
+                    out[d1, s2] += weight
+        np.testing.assert_allclose(out, p1[:, None] * p2, atol=1e-6)
 
 
 def test_drafting_pauses_below_the_acceptance_it_needs_and_resumes():
