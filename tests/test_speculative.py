@@ -7,6 +7,7 @@ of the drafting; no compile after warm-up and no page left held."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -339,6 +340,19 @@ def test_a_draft_model_through_preemption_and_prefix_hits_changes_no_token(draft
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert counts(on)[1] - before[1] == counts(on)[0] - before[0] > 0  # its own weights: every draft kept
     assert_idle(on)
+
+
+def test_the_kv_budget_holds_both_pools(checkpoints):
+    from jaxserve.model.config import ModelConfig
+    from jaxserve.worker.kv_pool import page_bytes
+    budget = 1 << 20
+    spec = {"method": "draft_model", "model": checkpoints("qwen3")}
+    engine = Engine.from_pretrained(checkpoints("llama"), EngineConfig(
+        **{**BASE, "num_pages": None, "kv_cache_bytes": budget}, speculative=spec))
+    configs = [ModelConfig.from_hf(json.load(open(f"{checkpoints(kind)}/config.json"))) for kind in ("llama", "qwen3")]
+    per_page = sum(page_bytes(c, 8, "float32") for c in configs)
+    assert engine.runner.config.num_pages == engine.core.drafter.runner.config.num_pages == budget // per_page
+    assert "the draft model holding its own K/V in each" in engine.describe()
 
 
 def test_a_draft_model_of_another_vocabulary_is_a_value_error(checkpoints, tmp_path):

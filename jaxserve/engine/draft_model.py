@@ -3,7 +3,8 @@
 
 The draft model has a runner of its own (its weights and compiled steps) whose KV pool has the
 target's page geometry and is addressed by the target's page ids: the pages a sequence holds hold
-its draft K/V beside its target K/V, with no accounting of their own. Each pass sends the block-table
+its draft K/V beside its target K/V, with no accounting of their own (the KV budget counts a page
+as both pools' bytes: `build_runner`'s `draft`). Each pass sends the block-table
 entries of the sequences it runs, whole, so the draft's tables never depend on the target's.
 
     Scheduler._draft reserves up to K draft tokens, and their pages, per decoding request ─►
@@ -34,19 +35,25 @@ from jaxserve.worker.step_batch import StepSeqs, build_step
 
 
 class DraftModel:
-    @classmethod
-    def load(cls, config, target: ModelConfig, runner: Runner, backend: str) -> "DraftModel":
-        """The draft model of `config.speculative` (an EngineConfig's), for a target of config
-        `target` whose runner is `runner`: its checkpoint loaded, and a runner of its own whose KV
-        pool has the target's pages. ValueError if its vocabulary is not the target's."""
+    @staticmethod
+    def read(config, target: ModelConfig) -> tuple[ModelConfig, dict]:
+        """The config and weights of `config.speculative`'s draft model (an EngineConfig's), for a
+        target of config `target`; ValueError if its vocabulary is not the target's."""
         path = config.speculative.model
         model_config, weights, _, _ = load_model(path, config.weights_dtype)
         if model_config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {path} has a vocabulary of {model_config.vocab_size} tokens, the "
                              f"target {target.vocab_size}: a draft model must share the target's tokenizer")
+        return model_config, weights
+
+    @classmethod
+    def load(cls, config, draft: tuple[ModelConfig, dict], runner: Runner, backend: str) -> "DraftModel":
+        """The draft model `read` gave, with a runner of its own whose KV pool has the pages of
+        the target's `runner`."""
+        model_config, weights = draft
         if model_config.max_position_embeddings < runner.config.max_model_len:
-            raise ValueError(f"the draft model {path} reads {model_config.max_position_embeddings} positions, fewer "
-                             f"than max_model_len ({runner.config.max_model_len})")
+            raise ValueError(f"the draft model {config.speculative.model} reads {model_config.max_position_embeddings} "
+                             f"positions, fewer than max_model_len ({runner.config.max_model_len})")
         draft_config = config.replace(num_pages=runner.config.num_pages, kv_cache_bytes=None, speculative=None,
                                       max_model_len=runner.config.max_model_len, quantization=None)
         return cls(build_runner(draft_config, model_config, weights, backend)[0], config.max_slots)

@@ -50,15 +50,17 @@ class Engine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
         self.backend = select_backend(config.attention_backend)
+        drafts = config.speculative is not None and config.speculative.method == "draft_model" and drafter is None
+        draft = DraftModel.read(config, model_config) if drafts else None  # before the pool, which counts it
         if runner is None:
-            runner, self.reasons = build_runner(config, model_config, weights, self.backend)
+            runner, self.reasons = build_runner(config, model_config, weights, self.backend, draft and draft[0])
         else:
             self.reasons = INHERITED
         self.runner = runner
         self.max_model_len = runner.config.max_model_len
         self.inputs = InputProcessor(tokenizer, model_config, self.max_model_len, config.seed)
-        if drafter is None and config.speculative is not None and config.speculative.method == "draft_model":
-            drafter = DraftModel.load(config, model_config, runner, self.backend)
+        if draft is not None:
+            drafter = DraftModel.load(config, draft, runner, self.backend)
         self.core = EngineCore(config, model_config, runner, self.max_model_len, tokenizer, drafter)
         self.outputs = OutputProcessor(tokenizer)
         self.scheduler, self.blocks = self.core.scheduler, self.core.blocks
@@ -105,7 +107,8 @@ class Engine:
         """What start-up resolved, one line each: backend, dtypes and why, KV pages, shapes."""
         config, runner = self.config, self.runner
         device = jax.devices()[0]
-        pool_bytes = sum(x.nbytes for x in runner.kv_pool)
+        pools = [runner] + ([self.core.drafter.runner] if self.core.drafter else [])
+        pool_bytes = sum(x.nbytes for r in pools for x in r.kv_pool)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.states))
         quantized = "not quantized" if runner.quant is None else runner.quant.describe()
         buckets = runner.buckets
@@ -115,6 +118,7 @@ class Engine:
             f"weights {'/'.join(sorted(runner.states))} ({self.reasons.weights}), {quantized} "
             f"({self.reasons.quantization}): {weight_bytes / 2**30:.2f} GiB; KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "
+            f"{'(the draft model holding its own K/V in each) ' if self.core.drafter else ''}"
             f"({'num_pages asked for' if config.num_pages else self.reasons.kv_budget}); "
             f"max_model_len {self.max_model_len} ({self.reasons.max_model_len})",
             f"{len(runner.all_programs())} step programs: the layers per token bucket ({len(buckets.token_sizes)}, "

@@ -25,7 +25,7 @@ from jaxserve.model.loader import cache_root
 from jaxserve.model.quantization import GROUPS, Int8Dot, block_rows
 from jaxserve.model.transformer import Transformer
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
-from jaxserve.worker.kv_pool import pages_in_budget
+from jaxserve.worker.kv_pool import page_bytes
 from jaxserve.worker.machine import (INT8_FLAGS, auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions,
                                      int8_dot_instructions)
 from jaxserve.worker.quantization_plan import auto_quantization
@@ -48,9 +48,12 @@ class Reasons:
 INHERITED = Reasons(*["the engine it was made from"] * 4)  # an engine over another's runner
 
 
-def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backend: str) -> tuple[Runner, Reasons]:
+def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backend: str,
+                 draft: ModelConfig | None = None) -> tuple[Runner, Reasons]:
     """The model on the device, then a KV pool in the memory it leaves, and their runner; with
-    why the pool has its size, max_model_len its value, and the weights their dtype."""
+    why the pool has its size, max_model_len its value, and the weights their dtype. `draft`: a
+    draft model whose pool will have as many pages (`jaxserve.engine.draft_model`): the budget
+    holds both."""
     mesh = make_mesh(config.mesh) if config.mesh else None
     quant, quant_reason = resolve_quantization(config, model_config, mesh)
     model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype), quant=quant)  # on the device now
@@ -61,8 +64,12 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backe
     if share != 1:
         reason += (f", held {share} times over in the host memory its devices share" if share > 1
                    else f", each device holding {share} of the pool")
-    num_pages = config.num_pages or pages_in_budget(model_config, kv_bytes, config.page_size, config.kv_dtype,
-                                                    heads)
+    per_page = page_bytes(model_config, config.page_size, config.kv_dtype, heads)
+    if draft is not None:
+        per_page += page_bytes(draft, config.page_size, config.kv_dtype,
+                               kv_heads_per_memory(mesh, draft) if mesh else draft.num_kv_heads)
+        reason += ", shared with the draft model's pool"
+    num_pages = config.num_pages or kv_bytes // per_page
     if num_pages < 2:
         raise ValueError(f"kv_cache_bytes={kv_bytes} holds no KV page")
     max_model_len, why = _resolve_max_model_len(config, model_config, num_pages)

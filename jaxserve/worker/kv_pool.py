@@ -25,12 +25,6 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype, kv_heads: int | None = N
     return 2 * layers * heads * page_size * cfg.head_dim * np.dtype(dtype).itemsize
 
 
-def pages_in_budget(cfg: ModelConfig, kv_cache_bytes: int, page_size: int, dtype, kv_heads: int | None = None) -> int:
-    """How many pages (the null page included) fit in a byte budget that holds `kv_heads` heads of
-    each page (all of them by default; see `jaxserve.distributed.sharding.kv_heads_per_memory`)."""
-    return kv_cache_bytes // page_bytes(cfg, page_size, dtype, kv_heads)
-
-
 def storage_dtype(dtype, as_bits: bool):
     """The array dtype of a pool of `dtype`: uint16 for bfloat16 kept as bits."""
     return jnp.dtype(jnp.uint16) if as_bits and jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
