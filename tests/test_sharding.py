@@ -64,7 +64,7 @@ def check_list(hf_llama: str, tmp: str) -> list[list[str]]:
             [["layouts"], ["replicated_kv"], ["generate", "2x4", "pallas", "16"],
              ["generate", "2x4", "reference", "8", "4"], ["generate", "2x4", "reference", "8", "4", "4"],
              ["generate", "2x4", "reference", "8", "", "1", "int8"],
-             ["generate", "2x4", "reference", "8", "", "1", "", "3"], ["generate", "4x2", "reference", "8", "", "1", "", "3"],
+             ["generate", "2x4", "reference", "8", "", "1", "", "3"],
              ["bad_meshes"], ["from_disk", hf_llama, *MESHES],
              ["orbax", tmp]])
 
@@ -178,11 +178,10 @@ def test_orbax_save_then_restore_under_another_mesh(checks, reference_tokens):
     assert run_check(checks, *orbax.split(" "))["tokens"] == reference_tokens
 
 
-@pytest.mark.parametrize("shape", ["2x4", "4x2"])
-def test_speculation_on_data_parallel_replicas_changes_no_token(checks, shape, reference_tokens):
+def test_speculation_on_data_parallel_replicas_changes_no_token(checks, reference_tokens):
     """Drafts verified on every replica of a data axis: each replica's rows are its sequences'
     last tokens and drafts; the tokens of one device without speculation, with drafts kept."""
-    got = run_check(checks, "generate", shape, "reference", "8", "", "1", "", "3")
+    got = run_check(checks, "generate", "2x4", "reference", "8", "", "1", "", "3")
     assert got["tokens"] == reference_tokens
     assert got["accepted_drafts"] > 0 and got["compiles_added_by_repeat"] == 0
 

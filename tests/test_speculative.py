@@ -283,20 +283,20 @@ def test_no_compile_after_warmup(engines):
 
 @pytest.fixture(scope="module")
 def drafted(checkpoints):
-    """Engines over a tiny Llama drafting with a draft model (K = 3), by the draft's kind: "llama"
-    (the target's own checkpoint: its greedy drafts are the target's greedy tokens) or "qwen3"
-    (other weights, the same vocabulary); and the same engine without speculation. Warmed up."""
+    """An engine over a tiny Llama drafting with a draft model (K = 3), by the draft's kind:
+    "llama" (the target's own checkpoint: its greedy drafts are the target's greedy tokens) or
+    "qwen3" (other weights, the same vocabulary); and the same engine without speculation. A small
+    pool (13 usable pages of 8 tokens), so that the requests below preempt each other."""
     built = {}
 
-    def get(draft: str, **more):
-        key = (draft, tuple(sorted(more.items())))
-        if key not in built:
+    def get(draft: str):
+        if draft not in built:
             spec = {"method": "draft_model", "model": checkpoints(draft), "num_speculative_tokens": 3,
                     "min_acceptance": 0.0}
-            on = Engine.from_pretrained(checkpoints("llama"), EngineConfig(**{**BASE, **more}, speculative=spec))
-            on.warmup()
-            built[key] = on, on.with_strategy("paged", speculative=None)
-        return built[key]
+            on = Engine.from_pretrained(checkpoints("llama"), EngineConfig(
+                **{**BASE, "num_pages": 14, "max_model_len": 96}, speculative=spec))
+            built[draft] = on, on.with_strategy("paged", speculative=None)
+        return built[draft]
     return get
 
 
@@ -305,39 +305,37 @@ def counts(engine) -> tuple[int, int]:
     return stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
 
 
-def test_a_draft_model_of_the_targets_weights_has_every_greedy_draft_kept(drafted):
-    on, off = drafted("llama")
-    params = [SamplingParams(max_tokens=12 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
-    before = counts(on)
-    assert tokens_of(on, PROMPTS, params) == tokens_of(off, PROMPTS, params)
-    drafted_tokens, kept = (a - b for a, b in zip(counts(on), before))
-    assert drafted_tokens > 0 and kept == drafted_tokens
-    assert_idle(on)
-
-
 @pytest.mark.parametrize("draft", ["llama", "qwen3"])
 def test_a_draft_model_changes_no_token_greedy_or_sampled(drafted, draft):
+    """With the target's own weights as the draft, every greedy draft is kept (exactly)."""
     on, off = drafted(draft)
+    if draft == "qwen3":
+        on.warmup()  # the draft model's steps too: none compiles below
     compiles = on.stats()["num_compiles"]
     for temperature in (0.0, 0.8):
         params = [SamplingParams(max_tokens=20 + 4 * i, temperature=temperature, top_p=0.9, seed=i, ignore_eos=True)
                   for i in range(len(PROMPTS))]
         before = counts(on)
         assert tokens_of(on, PROMPTS, params) == tokens_of(off, PROMPTS, params), temperature
-        assert counts(on)[0] > before[0]
-    assert on.stats()["num_compiles"] == compiles  # the draft model's steps were warmed up too
+        drafted_tokens, kept = (a - b for a, b in zip(counts(on), before))
+        assert drafted_tokens > 0
+        if draft == "llama" and temperature == 0.0:
+            assert kept == drafted_tokens
+    if draft == "qwen3":
+        assert on.stats()["num_compiles"] == compiles
     assert_idle(on)
 
 
 def test_a_draft_model_through_preemption_and_prefix_hits_changes_no_token(drafted):
-    on, off = drafted("llama", num_pages=14, max_model_len=96)  # as in the n-gram test above: they preempt
-    shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
+    on, off = drafted("llama")
+    shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]  # two full pages every prompt starts with
     prompts = [shared + p for p in PROMPTS]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    before = counts(on)
+    before, stats_before = counts(on), on.stats()
     assert tokens_of(on, prompts, params) == tokens_of(off, prompts, params)
     stats = on.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_preemptions"] > stats_before["num_preemptions"]
+    assert stats["prefix_cache_hits"] > stats_before["prefix_cache_hits"]
     assert counts(on)[1] - before[1] == counts(on)[0] - before[0] > 0  # its own weights: every draft kept
     assert_idle(on)
 
