@@ -162,6 +162,27 @@ def test_requests_with_a_grammar_draft_what_it_accepts_and_change_no_token(symbo
     assert_idle(on)
 
 
+def test_a_draft_model_draws_its_drafts_under_the_grammar(symbols_llama_dir):
+    """A request with a grammar drafts the draft model's tokens drawn under its grammar's masks (the
+    draft's own checkpoint here, so every greedy draft is the target's masked greedy token and is
+    kept, exactly); the tokens of the engine without speculation, greedy and sampled."""
+    from jaxserve import StructuredOutputs
+    on = Engine.from_pretrained(symbols_llama_dir, EngineConfig(**BASE, speculative={
+        "method": "draft_model", "model": symbols_llama_dir, "num_speculative_tokens": 3, "min_acceptance": 0.0}))
+    off = on.with_strategy("paged", speculative=None)
+    specs = [StructuredOutputs(regex="(ab ){2,12}c"), StructuredOutputs(json={"type": "array", "items": {
+        "enum": [1, 2]}, "minItems": 2, "maxItems": 9}), StructuredOutputs(choice=["yes yes yes yes no", "no"])]
+    prompts = ["abab abab ab", "the fox: [1, 2, 1, 2, 1", "yes yes yes"]
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(max_tokens=40, temperature=temperature, seed=i, structured_outputs=spec)
+                  for i, spec in enumerate(specs)]
+        before = counts(on)
+        assert tokens_of(on, prompts, params) == tokens_of(off, prompts, params), temperature
+        drafted_tokens, kept = (a - b for a, b in zip(counts(on), before))
+        assert drafted_tokens > 0 and (kept == drafted_tokens or temperature > 0)
+    assert_idle(on)
+
+
 def test_preemption_aborts_and_prefix_hits_change_no_token(engines):
     small = dict(num_pages=14, max_model_len=96)  # 13 usable pages of 8 tokens: five requests of ~70 tokens preempt
     off, on = engines("llama", None, **small), engines("llama", 5, **small)

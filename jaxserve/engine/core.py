@@ -190,7 +190,11 @@ class EngineCore:
                 and not schedule.drafts:
             self.scheduler.look_ahead(schedule, steps)
         if self.drafter is not None and schedule.drafts:
-            self.drafter.propose(schedule.drafts)
+            self.drafter.propose(schedule.drafts, self.grammars)
+            for request, drafted in list(schedule.drafts.items()):  # fewer where a grammar took no more
+                schedule.num_tokens[request] = 1 + len(drafted)
+                if not drafted:
+                    del schedule.drafts[request]
         batch = self._build(schedule)
         constrained = [(i, r) for i, r in enumerate(schedule.num_tokens)  # no per-slot scan without grammars
                        if r in schedule.sampling and r.request_id in self.grammars] if len(self.grammars) else []
@@ -275,16 +279,20 @@ class EngineCore:
         finished = self.scheduler.commit(schedule, tokens, logprobs, verified)
         for i, request in live:
             appended = request.output_token_ids[before[request]:] if request in before else [int(tokens[i])]
-            for token in appended:
+            for n, token in enumerate(appended, 1):
                 try:
-                    if self._advance_grammar(request, token):
-                        finished.append(request)
-                        break
+                    ended = self._advance_grammar(request, token)
                 except Exception:  # noqa: BLE001 — this request's matcher failed, not the step: it ends alone
                     log.exception("request %s: its grammar failed on token %d", request.request_id, token)
-                    if not request.finished:
+                    ended = not request.finished
+                    if ended:
                         self.scheduler.finish(request, FinishReason.ERROR)
-                        finished.append(request)
+                if ended:
+                    finished.append(request)
+                if ended or self.grammars.done(request.request_id):
+                    if n < len(appended):  # it ended inside the kept drafts: there, as it would have without them
+                        del request.output_token_ids[n - len(appended):]
+                        del request.logprobs[len(request.output_token_ids):]
                     break
         return finished
 

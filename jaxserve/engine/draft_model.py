@@ -68,13 +68,25 @@ class DraftModel:
         self._written: dict[Request, tuple[int, int]] = {}
         self.num_passes = 0
 
-    def propose(self, drafts: dict[Request, list[int]]) -> None:
+    def propose(self, drafts: dict[Request, list[int]], grammars) -> None:
         """Fills each request's reserved drafts (`drafts[r]`, K placeholders or fewer) with the draft
-        model's greedy tokens after its last one. Every request decodes: its last token is on the
-        host, at position `num_computed_tokens`."""
+        model's greedy tokens after its last one. A request with a grammar (in `grammars`, the
+        engine's `GrammarMatchers`) draws each under its grammar's mask after the drafts before it,
+        and stops drafting where the grammar takes no more; its matcher is left as it was. Every
+        request decodes: its last token is on the host, at position `num_computed_tokens`."""
         self._written = {r: w for r, w in self._written.items() if not r.finished}
         wanted = {r: len(d) for r, d in drafts.items()}
         out: dict[Request, list[int]] = {r: [] for r in drafts}
+        constrained = {r for r in drafts if r.request_id in grammars}
+
+        def take(r: Request, token: int) -> None:
+            if r in constrained:  # the next draft's mask comes after this one
+                if not grammars.valid_prefix(r.request_id, [token]):
+                    wanted[r] = len(out[r])  # the grammar is complete: no draft after it
+                    return
+                grammars.consume(r.request_id, token)
+            out[r].append(token)
+
         # catch up, then draft 1: the tokens from the first without draft K/V (a preempted sequence's
         # are in pages it gave up) through the last one
         todo = {}
@@ -89,20 +101,22 @@ class DraftModel:
                 if n > 0:
                     run.append((r, start, n))
                     room -= n
-            sampled = self._pass(run, tables)
+            sampled = self._pass(run, tables, grammars)
             tables = None
             for (r, start, n), token in zip(run, sampled):
                 todo[r] = start + n
                 if todo[r] == r.num_computed_tokens + 1:
-                    out[r].append(token)
+                    take(r, token)
                     del todo[r]
         # drafts 2..K: one token a sequence a pass
         for j in range(1, max(wanted.values(), default=0)):
             run = [(r, r.num_computed_tokens + j, 1) for r in drafts if wanted[r] > j]
-            for (r, _, _), token in zip(run, self._pass(run, None, [out[r][-1] for r, _, _ in run])):
-                out[r].append(token)
+            for (r, _, _), token in zip(run, self._pass(run, None, grammars, [out[r][-1] for r, _, _ in run])):
+                take(r, token)
+        for r in constrained:  # back to the last token: the step's own masks start there
+            grammars.rollback(r.request_id, len(out[r]))
         for r in drafts:
-            self._written[r] = r.num_computed_tokens + wanted[r], r.num_preemptions  # through draft K - 1's position
+            self._written[r] = r.num_computed_tokens + len(out[r]), r.num_preemptions  # through the last draft's input
             drafts[r] = out[r]
 
     def recover(self) -> None:
@@ -110,20 +124,21 @@ class DraftModel:
         if self.runner.recover():
             self._written.clear()
 
-    def _pass(self, run: list[tuple[Request, int, int]], tables: np.ndarray | None,
+    def _pass(self, run: list[tuple[Request, int, int]], tables: np.ndarray | None, grammars,
               tokens: list[int] | None = None) -> list[int]:
         """One step of the draft model: each (request, start, n) runs its tokens start..start+n
-        (or, given `tokens`, that one token) and samples greedily after the last; the sampled
-        token of each, for those whose pass reaches their last token (the caller knows which)."""
-        if tokens is None:
-            ids = [t for r, start, n in run for t in r.token_ids(start, start + n)]
-        else:
-            ids = tokens
+        (or, given `tokens`, that one token) and samples greedily after the last, under its
+        grammar's mask if it has one; the sampled token of each (the caller knows which count)."""
+        ids = [t for r, start, n in run for t in r.token_ids(start, start + n)] if tokens is None else tokens
         seqs = StepSeqs(np.array([r.slot for r, _, _ in run], np.int64), np.array([s for _, s, _ in run], np.int32),
                         np.array([n for _, _, n in run], np.int32), np.array(ids, np.int32),
                         np.ones(len(run), bool))
         batch = build_step(seqs, self.max_slots, self.page_size, self.runner.buckets, self.runner.replicas,
                            tables, None, "greedy")
+        constrained = [(r.request_id, int(row), ()) for (r, _, _), row in zip(run, batch.rows)
+                       if r.request_id in grammars]
+        if constrained:
+            batch.allowed, _ = grammars.fill(constrained, len(batch.sample_slots))
         self.num_passes += 1
         return self.runner.step(batch).tokens[batch.rows].tolist()
 

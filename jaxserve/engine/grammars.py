@@ -213,6 +213,11 @@ class GrammarMatchers:
                 failed.append(r)
         return failed
 
+    def rollback(self, request_id: str, n: int) -> None:
+        """Takes back the request's last `n` consumed tokens (drafts consumed to mask the next)."""
+        if n:
+            self._matchers[request_id].rollback(n)
+
     def valid_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order, the request's grammar accepts next (its matcher unchanged)."""
         return self._matchers[request_id].validate_tokens(list(tokens))

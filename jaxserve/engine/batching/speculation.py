@@ -87,8 +87,7 @@ class Speculator:
 
     def drafts(self, request: Request, room: int) -> list[int]:
         """Up to min(K, room) draft tokens for a decoding request, or [] (none found, or paused).
-        With a draft model, min(K, room) places for its tokens (`jaxserve.engine.draft_model`);
-        requests with a grammar do not draft then (the draft model's tokens would need its masks)."""
+        With a draft model, min(K, room) places for its tokens (`jaxserve.engine.draft_model`)."""
         record = self._records.get(request)
         if record is not None and self.step < record.paused_until:
             return []
@@ -97,7 +96,7 @@ class Speculator:
             return []
         c = self.config
         if c.method == "draft_model":  # reserved here, drawn by the draft model before the step is built
-            return [] if request.params.structured_outputs is not None else [0] * k
+            return [0] * k
         drafts = ngram_draft(request.prompt_token_ids + request.output_token_ids, k, c.prompt_lookup_min,
                              c.prompt_lookup_max)
         if drafts and request.params.structured_outputs is not None:
