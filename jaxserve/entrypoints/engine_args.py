@@ -83,7 +83,8 @@ _OPTIONS = (
     _Option("--async-scheduling", "async_scheduling", "schedule step N+1 while step N runs (on/off)", on_off),
     _Option("--decode-steps", "decode_steps", "decode steps in one dispatch when every request decodes"),
     _Option("--speculative-config", "speculative", 'speculative decoding, as JSON: {"method": "ngram", '
-            '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}', _json_object),
+            '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, or {"method": '
+            '"draft_model", "model": PATH, "num_speculative_tokens": 3}', _json_object),
     _Option("--attention-backend", "attention_backend", "attention implementation", str, BACKENDS),
     _Option("--batch-size", "batch_size", "dynamic batching: requests per batch"),
     _Option("--max-batch-delay-ms", "max_batch_delay_ms", "dynamic batching: wait for a batch to fill", float),
