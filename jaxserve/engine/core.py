@@ -291,8 +291,7 @@ class EngineCore:
                     finished.append(request)
                 if ended or self.grammars.done(request.request_id):
                     if n < len(appended):  # it ended inside the kept drafts: there, as it would have without them
-                        del request.output_token_ids[n - len(appended):]
-                        del request.logprobs[len(request.output_token_ids):]
+                        request.keep_output(len(request.output_token_ids) - len(appended) + n)
                     break
         return finished
 

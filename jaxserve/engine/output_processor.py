@@ -146,6 +146,5 @@ def _add_until_stopped(text: OutputText, request: Request) -> None:
     for token in new:
         text.add([token])
         if text.stopped:
-            del request.output_token_ids[text.num_tokens:]
-            del request.logprobs[text.num_tokens:]
+            request.keep_output(text.num_tokens)
             return

@@ -97,6 +97,12 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def keep_output(self, n: int) -> None:
+        """Drops the output after its first `n` tokens, and their logprobs: tokens one step kept
+        past where the output ends (a stop string or a grammar completed inside kept drafts)."""
+        del self.output_token_ids[n:]
+        del self.logprobs[n:]
+
 
 @dataclasses.dataclass
 class RequestOutput:
