@@ -369,6 +369,19 @@ def test_greedy_tokens_are_identical_under_every_strategy(engine):
         assert_idle(other)
 
 
+def test_an_engine_serves_no_prefix_from_pages_another_over_its_runner_wrote(engine):
+    """Engines from with_strategy share the KV pool, each with its own prefix cache: once the other
+    has run steps, this one's cached pages may hold the other's K/V, so it forgets them."""
+    first, other = [list(range(3, 40))], [list(range(50, 90))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = engine.generate(first, params)[0].token_ids
+    assert engine.generate(first, params)[0].num_cached_tokens == 32  # its own pages serve it
+    engine.with_strategy("continuous").generate(other, params)
+    again = engine.generate(first, params)[0]
+    assert again.token_ids == expected and again.num_cached_tokens == 0
+    assert_idle(engine)
+
+
 def test_bfloat16_engine_runs_and_stays_close_to_float32(llama_dir, engine):
     bf16 = Engine.from_pretrained(llama_dir, EngineConfig(max_slots=4, page_size=8, num_pages=64, max_model_len=128,
                                                           dtype="bfloat16"))

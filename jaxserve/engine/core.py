@@ -143,6 +143,8 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One iteration: schedules and dispatches the next step, then collects the step before it
         (or, without async scheduling, this one). Returns the requests that finished."""
+        if self.runner.pool_user is not self:
+            self._take_pool()
         finished: list[Request] = self._queue_compiled() if self.compiling else []
         schedule = None
         try:
@@ -180,6 +182,15 @@ class EngineCore:
                 self.scheduler.table.write_all(self.scheduler.running)
         self.idle = (schedule is None or schedule.empty) and self._in_flight is None
         return finished
+
+    def _take_pool(self) -> None:
+        """Before this engine's first step since another engine over the same runner
+        (`Engine.with_strategy`) ran one: that engine wrote its own K/V into pages this one's prefix
+        cache may still name, and its own block tables and sampling parameters into the slots."""
+        if self.runner.pool_user is not None:
+            self.blocks.reset_prefix_cache()
+            self.scheduler.table.write_all(self.scheduler.running)
+        self.runner.pool_user = self
 
     def _launch(self, schedule, finished: list[Request]):
         """Builds and dispatches a step, and advances the scheduler past it. When every request

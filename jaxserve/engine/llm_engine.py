@@ -69,7 +69,8 @@ class Engine:
     def with_strategy(self, strategy: str, **changes) -> "Engine":
         """A new engine with another batching strategy (and scheduling options such as batch_size or
         a smaller max_num_batched_tokens) over this one's runner: its model, compiled steps and KV
-        pool. Benchmarks compare strategies and nothing else. Use one of the two at a time."""
+        pool. Benchmarks compare strategies and nothing else. Use one of the two at a time: each
+        forgets its prefix cache when it steps after the other (that one wrote into the pages)."""
         if self.has_unfinished():
             raise RuntimeError("with_strategy needs an idle engine")
         fixed = sorted(set(changes) & _RUNNER_FIELDS)

@@ -139,6 +139,7 @@ class Runner:
         self.tokens_run = 0  # real tokens through the model ...
         self.tokens_computed = 0  # ... and with bucket padding
         self.mirror = None  # a multi-host leader's multihost.Mirror: the other processes run each step too
+        self.pool_user = None  # the engine core that last ran a step on the pool (engines may share a runner)
         # A CPU's arrays are in host memory already: np.asarray reads them in place, and starting a
         # copy cost the stepping thread 64 us a step at 256 sequences.
         self._copies_to_host = jax.default_backend() != "cpu"
