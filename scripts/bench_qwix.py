@@ -11,14 +11,13 @@ whole float copy of the int8 weights shows there (the output layer's is 335 MB i
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import qwix
+from bench_kernels import time_fn  # scripts/, beside this file
 
 from jaxserve.model.quantization import Int8Dot, block_rows, quantize
 from jaxserve.model.transformer import as_bits, from_bits
@@ -29,13 +28,7 @@ HIDDEN, GATE_UP, LAYERS, VOCAB, ROWS = 640, 2 * 2048, 18, 262_144, 2
 def timed(fn, *args, reps: int) -> tuple[float, int]:
     """(median ms of a call, temporary bytes of the compiled program)."""
     compiled = jax.jit(fn).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, compiled.memory_analysis().temp_size_in_bytes
+    return time_fn(compiled, args, reps) * 1e3, compiled.memory_analysis().temp_size_in_bytes
 
 
 def layers_forms(w: np.ndarray) -> dict:
