@@ -12,6 +12,8 @@
 #      and decode tokens/s against batch size in bfloat16 and int8, on random Gemma 3 270M;
 #   5. start-up: `jaxserve generate` cold (empty cache) and warm, on random Gemma 3 270M;
 #   6. with RAY_BENCH=1, replicas behind Ray Serve against one engine (`load.py replicas`).
+#   7. with SPEC_BENCH=1, speculative decoding with the model drafting for itself (every draft kept:
+#      the most a verifying step can give on this GPU) against none (`bench_speculative.py`).
 # The host and step figures (4) run first, then start-up (5): the kernel's figures are in
 # docs/kernels.md already, and a run cut short by the device tool's limit loses the least.
 # The tests run in one process (-n 0): xdist workers would each take most of the GPU memory.
@@ -56,6 +58,8 @@ part generate_warm 30 $PYTHON -m jaxserve.entrypoints.cli generate --model /tmp/
 part kernel_tests 70 $PYTHON -m pytest -q -p no:cacheprovider -n 0 tests/test_pallas_ragged_attention.py -k "gpu and not export"
 JAX_DEFAULT_MATMUL_PRECISION=highest part engine_parity 90 $PYTHON -m pytest -q -p no:cacheprovider -n 0 tests/test_token_budget.py
 if [ "${KERNEL_BENCH:-0}" = 1 ]; then part bench_kernels 60 $PYTHON scripts/bench_kernels.py --json "$LOGS/kernels.json"; fi
+if [ "${SPEC_BENCH:-0}" = 1 ]; then part bench_speculative 150 $PYTHON scripts/bench_speculative.py --model /tmp/gemma3-270m-random \
+    --draft-model /tmp/gemma3-270m-random --parts grounded --new-tokens 64; fi
 # With RAY_BENCH=1 (needs jaxserve[ray]; about 6 more minutes): Ray Serve's overhead and prefix
 # affinity (docs/scale-out.md). A fifth of the GPU's memory per engine: two replicas share one GPU.
 if [ "${RAY_BENCH:-0}" = 1 ]; then
