@@ -1,5 +1,5 @@
 """The host-cost benchmark's phase breakdown: every phase of a decoding step is timed, and the
-phases account for the step's CPU time."""
+phases account for the step's CPU time; and its bookkeeping-only mode."""
 
 from jaxserve.bench import host_cost
 
@@ -21,3 +21,13 @@ def test_a_sliding_window_gives_gemma3s_groups_and_steps():
     assert engine.core.runner.kv_groups.windows == (None,) + (16,) * 5  # five sliding layers in six, one group each
     row = host_cost.measure(engine, sequences=2, context=20, steps=3)
     assert row["tokens_per_call"] == 1.0
+
+
+def test_the_bookkeeping_alone_times_each_phase_and_leaks_no_page():
+    engine = host_cost.tiny_engine(sequences=2, context=20, steps=5, max_model_len=256, layers=1, hidden=32)
+    phases = host_cost.measure_bookkeeping(engine, sequences=2, context=20, steps=5)
+    assert list(phases) == ["schedule", "build inputs", "advance", "commit", "all"]
+    for label, (low, median) in phases.items():
+        assert 0 < low <= median, label
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == stats["used_pages"] == 0

@@ -11,6 +11,10 @@ attention. The model is a random Llama (6 layers, hidden 64 unless told) whose c
 the public API and the model's modules are used (but by `--breakdown`, which times the phases of
 a step through this commit's internals), so this file also runs against older commits
 (`PYTHONPATH=old-checkout python jaxserve/bench/host_cost.py`), side by side.
+
+`--bookkeeping` times the host's part alone, with no device (schedule, build the inputs,
+advance, commit, one after another): stable to a few percent, where a step's CPU time beside
+XLA's compute on the same cores drifts by a third between runs.
 """
 
 from __future__ import annotations
@@ -86,12 +90,9 @@ def time_phases(engine: Engine) -> dict[str, float]:
     return totals
 
 
-def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str | None = None,
-            breakdown: bool = False) -> dict[str, float]:
-    """Starts `sequences` requests of `context` prompt tokens, runs every prefill, then times
-    `steps` calls of `Engine.step()` with every sequence decoding: the stepping thread's CPU ms and
-    the wall ms per call (medians), and the tokens each sequence decoded per call (more than one
-    with `decode_steps`); with `trace`, a jax.profiler trace of those steps goes to that folder."""
+def start_decoding(engine: Engine, sequences: int, context: int, steps: int) -> None:
+    """Starts `sequences` requests of `context` prompt tokens and runs every prefill, then three
+    decode steps: every sequence decodes from here on, for `steps` steps at least."""
     rng = np.random.default_rng(1)
     params = SamplingParams(max_tokens=min(3 * context + steps, engine.max_model_len - context), temperature=0,
                             ignore_eos=True)
@@ -102,6 +103,42 @@ def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str
     for _ in range(3):
         engine.step()  # every decode program compiled, and the steps overlapping as they will
     assert len(engine.scheduler.running) == sequences, "a sequence finished before the steps were timed"
+
+
+def measure_bookkeeping(engine: Engine, sequences: int, context: int, steps: int) -> dict[str, float]:
+    """The host's bookkeeping of `steps` decode steps with no device at all: schedule, build the
+    inputs, advance, commit (a constant token for every sequence), one after another on this
+    thread. Per phase, the minimum and the median us of a step: without XLA's compute on the
+    same cores these are stable to a few percent, where `measure`'s drift by 30% (docs/host.md).
+    The engine's K/V no longer match its requests afterwards: they are aborted."""
+    start_decoding(engine, sequences, context, steps)
+    scheduler, clock, times = engine.scheduler, time.thread_time_ns, collections.defaultdict(list)
+    tokens = np.full(sequences, 3, np.int32)
+    for _ in range(steps):
+        t0 = clock()
+        schedule = scheduler.schedule()
+        t1 = clock()
+        engine.core._build(schedule)
+        t2 = clock()
+        scheduler.advance(schedule)
+        t3 = clock()
+        scheduler.commit(schedule, tokens)
+        t4 = clock()
+        for label, begin, end in (("schedule", t0, t1), ("build inputs", t1, t2), ("advance", t2, t3),
+                                  ("commit", t3, t4), ("all", t0, t4)):
+            times[label].append((end - begin) / 1e3)
+    for request in list(scheduler.running):
+        engine.abort(request.request_id)
+    return {label: (min(us), statistics.median(us)) for label, us in times.items()}
+
+
+def measure(engine: Engine, sequences: int, context: int, steps: int, trace: str | None = None,
+            breakdown: bool = False) -> dict[str, float]:
+    """Starts `sequences` decoding sequences (`start_decoding`), then times `steps` calls of
+    `Engine.step()`: the stepping thread's CPU ms and the wall ms per call (medians), and the
+    tokens each sequence decoded per call (more than one with `decode_steps`); with `trace`, a
+    jax.profiler trace of those steps goes to that folder."""
+    start_decoding(engine, sequences, context, steps)
     cpu, wall = [], []
     phases = time_phases(engine) if breakdown else {}
     decoded = sum(len(r.output_token_ids) for r in engine.scheduler.running)
@@ -138,10 +175,12 @@ def main(argv=None) -> None:
     p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of the timed steps, per "
                    "configuration in DIR/SEQUENCES-MAX_MODEL_LEN")
     p.add_argument("--breakdown", action="store_true", help="also the CPU ms of each phase of a step (means)")
+    p.add_argument("--bookkeeping", action="store_true", help="instead, the host's bookkeeping alone, with no "
+                   "device: us per step by phase, minimum and median (this commit's internals)")
     p.add_argument("--no-header", action="store_true")
     args = p.parse_args(argv)
     configs = [(m, n) for m in map(int, args.max_model_len.split(",")) for n in map(int, args.sequences.split(","))]
-    if not args.no_header:
+    if not args.no_header and not args.bookkeeping:
         print("| max_model_len | sequences | host CPU ms/step | wall ms/step | tokens per sequence and step |\n"
               "|---|---|---|---|---|", flush=True)
     if len(configs) > 1:  # each in a process of its own: an engine's pool outlives it in jax's caches
@@ -152,6 +191,11 @@ def main(argv=None) -> None:
     (max_model_len, n), = configs
     engine = tiny_engine(n, args.context, args.steps * args.decode_steps, max_model_len, args.layers, args.hidden,
                          args.decode_steps, args.sliding_window)
+    if args.bookkeeping:
+        phases = measure_bookkeeping(engine, n, args.context, args.steps)
+        print(f"  bookkeeping us at {n}, minimum / median: "
+              + ", ".join(f"{label} {low:.0f} / {mid:.0f}" for label, (low, mid) in phases.items()), flush=True)
+        return
     row = measure(engine, n, args.context, args.steps, args.trace and f"{args.trace}/{n}-{max_model_len}",
                   args.breakdown)
     print(f"| {max_model_len} | {n} | {row['cpu_ms']:.2f} | {row['wall_ms']:.1f} | {row['tokens_per_call']:.2f} |",
