@@ -44,31 +44,29 @@ class Request:
     params: SamplingParams
     seed: int
     arrival_time: float
-    # The fields every step reads for every running request, side by side: the first touch of each
-    # cache line a step costs about 0.1 us (the step's compute has evicted them), 256 requests a step.
-    status: RequestStatus = RequestStatus.WAITING
-    stopping: bool = False
-    num_prompt_tokens: int = dataclasses.field(init=False)  # the prompt never changes: counted once
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_pending_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_table_tokens: int = 0  # the tokens every group's table reaches: past them a step needs new pages
-    slot: int | None = None
-    max_num_tokens: int = dataclasses.field(init=False)  # where it stops for length (the scheduler caps it at the context)
-    num_cached_pages: int = 0  # leading pages recorded in the prefix cache
-    first_token_time: float | None = None
     group: int = 0
     cache_salt: str | None = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it ended with `error`, when its own input was the cause (its grammar)
+    slot: int | None = None
     pages: list[list[int]] = dataclasses.field(default_factory=list)  # per group: page ids, 0 out of its window
+    num_table_tokens: int = 0  # the tokens every group's table reaches: past them a step needs new pages
     next_window_drop: int = 0  # computed tokens at which a sliding window next leaves a page behind
+    num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
+    stopping: bool = False
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_pages: int = 0  # leading pages recorded in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    first_token_time: float | None = None
     finish_time: float | None = None
     admit_time: float | None = None  # first admission, for queue-time metrics
     num_preemptions: int = 0
+    num_prompt_tokens: int = dataclasses.field(init=False)  # the prompt never changes: counted once
+    max_num_tokens: int = dataclasses.field(init=False)  # where it stops for length (the scheduler caps it at the context)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.prompt_token_ids)
