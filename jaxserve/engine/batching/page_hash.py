@@ -13,10 +13,12 @@ from array import array
 from typing import Sequence
 
 ROOT = b""  # the parent of a sequence's first page
+_SHA256 = hashlib.sha256()  # copied for each page: cheaper than a new one, which looks the algorithm up again
 
 
 def hash_page(parent: bytes, token_ids: Sequence[int], salt: str | None) -> bytes:
-    digest = hashlib.sha256(parent)
+    digest = _SHA256.copy()
+    digest.update(parent)
     digest.update(array("q", token_ids).tobytes())
     digest.update(b"\0" if salt is None else b"\1" + salt.encode())
     return digest.digest()

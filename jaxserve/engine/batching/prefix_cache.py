@@ -45,15 +45,15 @@ class PrefixCache:
     def record(self, request: Request) -> list[int]:
         """Records the request's pages that are now full of computed tokens known on the host;
         returns them."""
-        if not self.behind(request):
-            return []  # no page filled since (the common case)
-        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
+        start = request.num_cached_pages
+        known = min(request.num_computed_tokens, request.num_prompt_tokens + len(request.output_token_ids))
         full = known // self.blocks.page_size
-        if full <= request.num_cached_pages:
-            return []
+        if full <= start or not self.blocks.enable_caching:
+            return []  # no page filled since (the common case)
         hashes = page_hashes(request, full, self.blocks.page_size)
-        pages = self.kv.cache_pages(request, hashes, request.num_cached_pages)
-        self._unclaim(request, hashes[request.num_cached_pages:])
+        pages = self.kv.cache_pages(request, hashes, start)
+        if self._computing:  # prompt pages other requests may be waiting for
+            self._unclaim(request, hashes[start:])
         request.num_cached_pages = full
         return pages
 
