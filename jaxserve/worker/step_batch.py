@@ -186,13 +186,7 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
     if replicas == 1:  # every sequence in step order, and none of the dealing below
         order, counts, token_counts = slice(None), np.array([n]), np.array([total])
     else:
-        replica = seqs.slots % replicas
-        order = np.argsort(replica, kind="stable")  # replica 0's, then 1's, ...
-        counts = np.bincount(replica, minlength=replicas)
-        token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
-        rep = replica[order]
-        first_seq = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each replica's first sequence (in `order`)
-        index = np.arange(n) - first_seq[rep]  # each sequence's place within its replica
+        order, rep, index, counts, token_counts = _deal(seqs.slots, lens, replicas)
         lens = lens[order]
         ends = np.cumsum(lens)
     t_size, r_size = buckets.shape(int(token_counts.max(initial=0)), int(counts.max(initial=0)))
@@ -210,11 +204,8 @@ def build_step(seqs: StepSeqs, num_slots: int, page_size: int, buckets: StepBuck
         token_rows, seq_rows, sample_rows, logit_rows = slice(0, total), slice(0, n), slice(0, n), slice(0, n)
         query_rows, rows = (0, slice(1, n + 1)), np.arange(n)
     else:
-        rep_token0 = np.concatenate([[0], np.cumsum(token_counts)[:-1]])
-        local_ends = ends - rep_token0[rep]  # within the replica
-        token_rows = rep[seq_of_token] * t_size + local_ends[seq_of_token] - lens[seq_of_token] + offset_in_seq
-        src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]  # the token ids in `order`
-        flat_ids = seqs.token_ids[src_start[seq_of_token] + offset_in_seq]
+        token_rows, flat_ids, local_ends = _dealt_tokens(seqs, order, rep, lens, token_counts, t_size,
+                                                         seq_of_token, offset_in_seq)
         seq_rows, logit_rows, query_rows = rep * s_size + index, rep * w_size + index, (rep, index + 1)
         last_tokens = rep * t_size + local_ends - 1
         rows = np.zeros(n, np.int64)
@@ -261,25 +252,19 @@ def _build_verifying_step(seqs: StepSeqs, num_slots: int, buckets: StepBuckets, 
     such token has a logits row and samples the token at its position + 1. Sequences are dealt to
     replicas as there; a sequence's rows are consecutive within its replica's slice."""
     n, lens = len(seqs.slots), seqs.lens.astype(np.int32)
-    replica = seqs.slots % replicas
-    order = np.argsort(replica, kind="stable")  # replica 0's, then 1's, ...
-    counts = np.bincount(replica, minlength=replicas)
-    token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
-    row_counts = np.bincount(replica, weights=sample_rows, minlength=replicas).astype(np.int64)
+    order, rep, index, counts, token_counts = _deal(seqs.slots, lens, replicas)
+    lens, row_lens = lens[order], sample_rows[order]
+    row_counts = np.bincount(rep, weights=row_lens, minlength=replicas).astype(np.int64)
     t_size, r_size = buckets.shape(int(token_counts.max(initial=0)), int(counts.max(initial=0)),
                                    int(row_counts.max(initial=0)))
     s_size, w_size = buckets.seqs(t_size), buckets.max_rows
-    rep, lens, row_lens = replica[order], lens[order], sample_rows[order]
     slots, starts, samples = seqs.slots[order], seqs.starts[order], seqs.samples[order]
-    index = np.arange(n) - (np.cumsum(counts) - counts)[rep]  # each sequence's place within its replica
     ends = np.cumsum(lens)
     total = int(ends[-1]) if n else 0
-    local_ends = ends - (np.cumsum(token_counts) - token_counts)[rep]  # token ends within the replica
     seq_of_token = np.repeat(np.arange(n), lens)
     offset_in_seq = np.arange(total) - (ends - lens)[seq_of_token]
-    token_rows = rep[seq_of_token] * t_size + (local_ends - lens)[seq_of_token] + offset_in_seq
-    src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]  # the token ids in `order`
-    flat_ids = seqs.token_ids[src_start[seq_of_token] + offset_in_seq]
+    token_rows, flat_ids, local_ends = _dealt_tokens(seqs, order, rep, lens, token_counts, t_size, seq_of_token,
+                                                     offset_in_seq)
     row_ends = np.cumsum(row_lens)
     num_rows = int(row_ends[-1]) if n else 0
     first_row = row_ends - row_lens - (np.cumsum(row_counts) - row_counts)[rep]  # within the replica
@@ -310,6 +295,27 @@ def _build_verifying_step(seqs: StepSeqs, num_slots: int, buckets: StepBuckets, 
     return StepBatch(tokens, token_slots, meta, logits_indices, sample_positions, sample_slots, rows, seq_slots,
                      token_seq_slots, np.zeros((0, 4), np.int32) if table_updates is None else table_updates,
                      sampling_slots, sampling, sampling_mode, num_tokens=total)
+
+
+def _deal(slots: np.ndarray, lens: np.ndarray, replicas: int) -> tuple:
+    """Sequences dealt to data-parallel replicas by slot (slot % replicas), each replica's in step
+    order: (order, their replicas [n] in that order, each one's place within its replica [n],
+    sequences [replicas] and tokens [replicas] of each replica)."""
+    replica = slots % replicas
+    order = np.argsort(replica, kind="stable")  # replica 0's, then 1's, ...
+    counts = np.bincount(replica, minlength=replicas)
+    token_counts = np.bincount(replica, weights=lens, minlength=replicas).astype(np.int64)
+    rep = replica[order]
+    return order, rep, np.arange(len(slots)) - (np.cumsum(counts) - counts)[rep], counts, token_counts
+
+
+def _dealt_tokens(seqs: StepSeqs, order, rep, lens, token_counts, t_size: int, seq_of_token, offset_in_seq) -> tuple:
+    """For sequences dealt by `_deal` (`lens` in their order): (each token's row in the step's
+    [replicas * t_size] token arrays, its id, each sequence's token end within its replica)."""
+    local_ends = np.cumsum(lens) - (np.cumsum(token_counts) - token_counts)[rep]
+    token_rows = rep[seq_of_token] * t_size + (local_ends - lens)[seq_of_token] + offset_in_seq
+    src_start = (np.cumsum(seqs.lens) - seqs.lens)[order]  # the token ids in `order`
+    return token_rows, seqs.token_ids[src_start[seq_of_token] + offset_in_seq], local_ends
 
 
 def _token_columns(size: int, rows, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> tuple:
