@@ -59,15 +59,16 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backe
     model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype), quant=quant)  # on the device now
     kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
                         else auto_kv_cache_bytes(config.gpu_memory_utilization))
-    heads = kv_heads_per_memory(mesh, model_config) if mesh else model_config.num_kv_heads
+    def heads_in_memory(cfg: ModelConfig) -> int:  # a model's kv heads in the fullest memory
+        return kv_heads_per_memory(mesh, cfg) if mesh else cfg.num_kv_heads
+    heads = heads_in_memory(model_config)
     share = Fraction(heads, model_config.num_kv_heads)  # of the pool's bytes, in the fullest memory
     if share != 1:
         reason += (f", held {share} times over in the host memory its devices share" if share > 1
                    else f", each device holding {share} of the pool")
     per_page = page_bytes(model_config, config.page_size, config.kv_dtype, heads)
     if draft is not None:
-        per_page += page_bytes(draft, config.page_size, config.kv_dtype,
-                               kv_heads_per_memory(mesh, draft) if mesh else draft.num_kv_heads)
+        per_page += page_bytes(draft, config.page_size, config.kv_dtype, heads_in_memory(draft))
         reason += ", shared with the draft model's pool"
     num_pages = config.num_pages or kv_bytes // per_page
     if num_pages < 2:
