@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batching import BlockManager, FinishReason, Request, Scheduler, SchedulerConfig, make_policy
-from jaxserve.engine.batching.request import PENDING, RequestStatus
+from jaxserve.engine.batching.request import RequestStatus
 from jaxserve.engine.batching.speculation import Speculator
 from jaxserve.engine.batching.structured_outputs import short_error
 from jaxserve.engine.draft_model import DraftModel
@@ -227,26 +227,26 @@ class EngineCore:
         return schedule, batch.rows, in_flight, constrained
 
     def _build(self, schedule) -> StepBatch:
-        """The step's arrays, from its requests' columns, with the slot table's changes. Decodes
-        come first (most rows: their one token is on the device unless steps run in order);
-        prompt chunks, a few, after them."""
+        """The step's arrays, with the slot table's changes. Decodes come first (most rows: their
+        one token is on the device unless steps run in order), their columns from the scheduler's
+        arrays by slot; prompt chunks, a few, after them, from their requests."""
         requests = list(schedule.num_tokens)
         decodes, chunks = requests[:schedule.num_decodes], requests[schedule.num_decodes:]
         multi = schedule.decode_steps > 1  # num_tokens counts decode steps of one token each
-        starts = [r.num_computed_tokens for r in requests]
-        token_ids = [PENDING if r.num_pending_tokens else (r.output_token_ids or r.prompt_token_ids)[-1]
-                     for r in decodes]  # a decode runs the sequence's last token
-        drafts, sample_rows = schedule.drafts, None
+        starts, last_tokens = self.scheduler.decode_inputs(schedule)  # a decode runs the sequence's last token
+        chunk_starts = [r.num_computed_tokens for r in chunks]
+        drafts, sample_rows, token_ids = schedule.drafts, None, [last_tokens]
         if drafts:  # and its drafts after it, each sampled after
-            token_ids = [t for r, t in zip(decodes, token_ids) for t in [t, *drafts.get(r, ())]]
+            token_ids = [[t for r, t in zip(decodes, last_tokens.tolist()) for t in [t, *drafts.get(r, ())]]]
             sample_rows = np.array([1 + len(drafts.get(r, ())) for r in requests], np.int32)
-        for r, start in zip(chunks, starts[len(decodes):]):
-            token_ids += r.token_ids(start, start + schedule.num_tokens[r])
+        token_ids += [r.token_ids(start, start + schedule.num_tokens[r]) for r, start in zip(chunks, chunk_starts)]
         counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(requests))
         samples = np.ones(len(requests), bool)
         samples[len(decodes):] = [r in schedule.sampling for r in chunks]
-        seqs = StepSeqs(np.array([r.slot for r in requests], np.int64), np.array(starts, np.int32),
-                        np.ones_like(counts) if multi else counts, np.array(token_ids, np.int32), samples)
+        seqs = StepSeqs(np.concatenate([schedule.decode_slots, [r.slot for r in chunks]]).astype(np.int64),
+                        np.concatenate([starts, chunk_starts]).astype(np.int32),
+                        np.ones_like(counts) if multi else counts,
+                        np.concatenate(token_ids).astype(np.int32), samples)
         table = self.scheduler.table
         changed = table.take_sampling_updates()
         updates = None

@@ -79,10 +79,10 @@ class KVCacheManager:
         window no longer sees are the null page. Returns whether a table changed."""
         if not request.pages:
             request.pages = [[] for _ in self.windows]
-        changed = False
+        changed, computed = False, request.num_computed_tokens
         for g, (window, table) in enumerate(zip(self.windows, request.pages)):
-            stop = self._table_len(g, request.num_computed_tokens, end)
-            skip = min(first_in_window(window, request.num_computed_tokens, self.page_size), stop)
+            stop = self._table_len(g, computed, end)
+            skip = min(first_in_window(window, computed, self.page_size), stop)
             if len(table) < skip:
                 table.extend([0] * (skip - len(table)))
             if len(table) < stop:

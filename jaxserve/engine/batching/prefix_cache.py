@@ -46,8 +46,8 @@ class PrefixCache:
         """Records the request's pages that are now full of computed tokens known on the host;
         returns them."""
         start = request.num_cached_pages
-        known = min(request.num_computed_tokens, request.num_prompt_tokens + len(request.output_token_ids))
-        full = known // self.blocks.page_size
+        full = min(request.num_computed_tokens,
+                   request.num_prompt_tokens + len(request.output_token_ids)) // self.blocks.page_size
         if full <= start or not self.blocks.enable_caching:
             return []  # no page filled since (the common case)
         hashes = page_hashes(request, full, self.blocks.page_size)

@@ -11,6 +11,30 @@ from jaxserve.engine.batching.sampling_params import SamplingParams
 PENDING = -1  # stands for a sampled token that is still on the device
 
 
+class SlotCounter:
+    """A counter that steps move: while its request holds a slot, it lives in the scheduler's
+    arrays by slot (`SlotCounters`, the attribute of the same name), so that a step moves every
+    decode's at once; otherwise on the request, as `_<name>`."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.field = name, "_" + name
+
+    def __get__(self, request, owner=None):
+        if request is None:
+            return self
+        counters = request.counters
+        if counters is None:
+            return getattr(request, self.field)
+        return getattr(counters, self.name).item(request.slot)  # a Python int or bool
+
+    def __set__(self, request, value):
+        counters = request.counters
+        if counters is None:
+            setattr(request, self.field, value)
+        else:
+            getattr(counters, self.name)[request.slot] = value
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,6 +61,7 @@ class Request:
     are the content hashes of its full pages (prefix caching), `cache_salt` keeps tenants apart.
     `seed` is resolved at submission, so sampling keys derive from (seed, position) even when the
     caller gave none. `group` ties the prompts of one client payload together (static batching).
+    The counters a step moves (`SlotCounter`s) are the scheduler's arrays while it holds a slot.
     """
 
     request_id: str
@@ -53,13 +78,7 @@ class Request:
     error: str | None = None  # why it ended with `error`, when its own input was the cause (its grammar)
     slot: int | None = None
     pages: list[list[int]] = dataclasses.field(default_factory=list)  # per group: page ids, 0 out of its window
-    num_table_tokens: int = 0  # the tokens every group's table reaches: past them a step needs new pages
-    next_window_drop: int = 0  # computed tokens at which a sliding window next leaves a page behind
-    num_computed_tokens: int = 0
-    num_pending_tokens: int = 0
-    stopping: bool = False
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
-    num_cached_pages: int = 0  # leading pages recorded in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -67,6 +86,20 @@ class Request:
     num_preemptions: int = 0
     num_prompt_tokens: int = dataclasses.field(init=False)  # the prompt never changes: counted once
     max_num_tokens: int = dataclasses.field(init=False)  # where it stops for length (the scheduler caps it at the context)
+    counters: object = dataclasses.field(default=None, repr=False)  # the scheduler's SlotCounters while it holds a slot
+    _num_table_tokens: int = dataclasses.field(default=0, repr=False)
+    _next_window_drop: int = dataclasses.field(default=0, repr=False)
+    _num_computed_tokens: int = dataclasses.field(default=0, repr=False)
+    _num_pending_tokens: int = dataclasses.field(default=0, repr=False)
+    _stopping: bool = dataclasses.field(default=False, repr=False)
+    _num_cached_pages: int = dataclasses.field(default=0, repr=False)
+
+    num_table_tokens = SlotCounter()  # the tokens every group's table reaches: past them a step needs new pages
+    next_window_drop = SlotCounter()  # computed tokens at which a sliding window next leaves a page behind
+    num_computed_tokens = SlotCounter()
+    num_pending_tokens = SlotCounter()
+    stopping = SlotCounter()  # its pending token is its last
+    num_cached_pages = SlotCounter()  # leading pages recorded in the prefix cache
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.prompt_token_ids)

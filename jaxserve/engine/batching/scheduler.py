@@ -33,7 +33,10 @@ admitted, the newest state, which is most likely to hold the bug; if it admitted
 requests, so that a fault that repeats cannot stall the engine with requests that never end.
 
 The slot table (`slot_table`) records what changed per slot (block-table entries, sampling
-parameters) for the runner, which keeps the tables on the device; the prefix cache's bookkeeping
+parameters) for the runner, which keeps the tables on the device; the running requests' counters
+are arrays by slot (`slot_counters`), so a step's decodes are scheduled, advanced and committed
+as numpy operations, and Python looks only at the requests that cross a page, run a prompt chunk,
+sample their first token or end; the prefix cache's bookkeeping
 is `prefix_cache`; `stop_ids` holds the ids that end some unfinished request, which `commit`
 tests a step's tokens against. With several decode steps per dispatch, `look_ahead` gives each
 decoding request the pages of the steps it may run.
@@ -44,6 +47,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import itertools
+import operator
 import time
 from collections import deque
 from typing import Callable
@@ -54,13 +59,20 @@ from jaxserve.engine.batching.block_manager import BlockManager
 from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
 from jaxserve.engine.batching.policies import Policy
 from jaxserve.engine.batching.prefix_cache import PrefixCache
-from jaxserve.engine.batching.request import FinishReason, Request, RequestStatus
+from jaxserve.engine.batching.request import PENDING, FinishReason, Request, RequestStatus
+from jaxserve.engine.batching.slot_counters import SlotCounters
 from jaxserve.engine.batching.slot_table import SlotTable
 from jaxserve.engine.batching.speculation import Speculator, accepted
 from jaxserve.engine.batching.stop_ids import StopIds
 from jaxserve.faults import faults
 
 log = logging.getLogger(__name__)
+
+_output_of = operator.attrgetter("output_token_ids")
+
+
+def _no_slots() -> np.ndarray:
+    return np.zeros(0, np.int64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +104,8 @@ class Schedule:
     cached_pages: list[int] = dataclasses.field(default_factory=list)  # pages `advance` put in the prefix cache
     drafts: dict[Request, list[int]] = dataclasses.field(default_factory=dict)  # decodes' draft tokens (speculation)
     failed: list[Request] = dataclasses.field(default_factory=list)  # ended with `error`: scheduling them raised
+    decode_slots: np.ndarray = dataclasses.field(default_factory=_no_slots)  # the decodes' slots, in step order ...
+    decode_generations: np.ndarray = dataclasses.field(default_factory=_no_slots)  # ... their generations (`SlotCounters`)
 
     @property
     def empty(self) -> bool:
@@ -116,6 +130,7 @@ class Scheduler:
         self.clock = clock
         self.kv = KVCacheManager(blocks, config.kv_group_windows, config.max_num_batched_tokens)
         self.table = SlotTable(config.max_slots, config.eos_token_ids, config.stop_ids_width)
+        self.counters = SlotCounters(config.max_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
@@ -156,15 +171,20 @@ class Scheduler:
         running ones) with `error`, and the step runs nothing."""
         self._failed, admitted = [], []
         try:
+            running = self.counters.running_slots()
             if self.kv.has_windows:
-                self._drop_out_of_window()
-            decodes, chunks, preempted = self._grow_running()
+                self._drop_out_of_window(running)
+            decodes, decode_slots, chunks, preempted = self._grow_running(running)
             if not preempted:
                 self._admit(admitted)
-            for request in admitted:
-                left = request.num_uncomputed_tokens
-                decodes.append(request) if left == 1 else chunks.append((request, left))
+            admitted_decodes = [r for r in admitted if r.num_uncomputed_tokens == 1]
+            decodes += admitted_decodes
+            chunks += [(r, r.num_uncomputed_tokens) for r in admitted if r.num_uncomputed_tokens > 1]
             schedule = self._fill_budget(decodes, chunks, admitted, preempted)
+            if admitted_decodes:
+                decode_slots = np.concatenate([decode_slots, [r.slot for r in admitted_decodes]]).astype(np.int64)
+            schedule.decode_slots = decode_slots
+            schedule.decode_generations = self.counters.generation[decode_slots]
             if self.speculator is not None and decodes and not preempted:
                 self._draft(schedule)
         except Exception:  # noqa: BLE001 — no request's own code raised: see the module's docstring
@@ -250,11 +270,12 @@ class Scheduler:
         schedule.decode_steps = steps
         return True
 
-    def _drop_out_of_window(self) -> None:
-        """Frees what sliding windows left behind."""
-        for request in list(self.running):
-            if request.num_computed_tokens < request.next_window_drop:
-                continue  # its windows moved within their first page since the last drop (most steps)
+    def _drop_out_of_window(self, running: np.ndarray) -> None:
+        """Frees what sliding windows left behind, for the requests in the `running` slots that
+        have computed past their next window drop (a few a step)."""
+        counters = self.counters
+        due = running[counters.num_computed_tokens[running] >= counters.next_window_drop[running]]
+        for request in counters.requests[due].tolist():
             try:
                 dropped = self.kv.drop_out_of_window(request)
             except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
@@ -263,28 +284,55 @@ class Scheduler:
             if dropped:
                 self.table.write_null(request.slot, dropped)
 
-    def _grow_running(self) -> tuple[list[Request], list[tuple[Request, int]], list[Request]]:
-        """Gives each running sequence the pages its tokens need, preempting the newest when out,
-        in one pass that also sorts them: (decodes, (prompt chunk, tokens left), preempted)."""
-        decodes, chunks, preempted, running = [], [], [], RequestStatus.RUNNING
-        for request in list(self.running):
-            if request.status is not running or request.stopping:
-                continue  # preempted earlier in this loop (only later ones are), or its last token is sampled
-            # num_tokens, spelled out: this loop runs for every request every step
-            total = request.num_prompt_tokens + len(request.output_token_ids) + request.num_pending_tokens
-            if total > request.num_table_tokens:  # a page to add (a few requests a step)
-                try:
-                    self._add_pages(request, total, preempted)
-                except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
-                    self._fail(request)
-                if request.status is not running:
+    def _grow_running(self, running: np.ndarray) -> tuple[list[Request], np.ndarray, list[tuple[Request, int]],
+                                                          list[Request]]:
+        """Gives each request in the `running` slots (in admission order) the pages its tokens
+        need, preempting the newest when out, and sorts them: (decodes, their slots, (prompt
+        chunk, tokens left), preempted). A request that decodes runs one token: only those that
+        cross a page, and those with other than one token left, are looked at one by one."""
+        counters, running_status = self.counters, RequestStatus.RUNNING
+        if self._failed:  # ended by their window drops
+            running = running[counters.held[running]]
+        requests = counters.requests[running]
+        decoding = counters.decoding[running] & ~counters.stopping[running]
+        left = decoding.astype(np.int64)
+        computed = counters.num_computed_tokens[running]
+        crossing = decoding & (computed >= counters.num_table_tokens[running])  # its token needs a new page
+        special = np.flatnonzero(crossing | ~(decoding | counters.stopping[running]))
+        if special.size and crossing[special].all() and self._add_decode_pages(requests[special], running[special]):
+            special = special[:0]  # decodes only, each given its next page at once (most steps)
+        preempted = []
+        for i, total in zip(special.tolist(), np.where(crossing, computed + 1, -1)[special].tolist()):
+            request = requests[i]
+            if request.status is not running_status:
+                continue  # preempted earlier in this loop (only later ones are)
+            if total < 0:  # not a decode: a prompt to run, or its first token to commit
+                total = request.num_tokens
+                left[i] = total - request.num_computed_tokens
+                if total <= request.num_table_tokens:
                     continue
-            left = total - request.num_computed_tokens
-            if left == 1:
-                decodes.append(request)
-            elif left > 1:
-                chunks.append((request, left))
-        return decodes, chunks, preempted
+            try:
+                self._add_pages(request, total, preempted)
+            except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
+                self._fail(request)
+        if preempted or self._failed:
+            left[~counters.held[running]] = 0  # sent back or ended in this loop
+        decodes, chunks = np.flatnonzero(left == 1), np.flatnonzero(left > 1)
+        return (requests[decodes].tolist(), running[decodes],
+                list(zip(requests[chunks].tolist(), left[chunks].tolist())), preempted)
+
+    def _add_decode_pages(self, requests: np.ndarray, slots: np.ndarray) -> bool:
+        """Gives decodes whose token starts a new page that page, at once, where one full-attention
+        group is all there is and the pool holds them all; False, nothing done, otherwise (they
+        go one by one, preempting the newest while the pool is short)."""
+        if faults.armed or self.kv.windows != (None,) or not self.blocks.can_allocate(len(slots)):
+            return False
+        pages = self.blocks.allocate(len(slots))
+        for request, page in zip(requests.tolist(), pages):
+            request.pages[0].append(page)
+        self.table.write_entries(slots, 0, self.counters.num_table_tokens[slots] // self.blocks.page_size, pages)
+        self.counters.num_table_tokens[slots] += self.blocks.page_size
+        return True
 
     def _add_pages(self, request: Request, total: int, preempted: list[Request]) -> None:
         """Gives a running request the pages its `total` tokens need, preempting the newest
@@ -351,6 +399,7 @@ class Scheduler:
             return None
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
+        self.counters.attach(request)
         if request.admit_time is None:
             request.admit_time = self.clock()
         self.running.append(request)
@@ -374,6 +423,7 @@ class Scheduler:
         if request.slot is not None:
             self.table.clear(request.slot)
             heapq.heappush(self._free_slots, request.slot)
+            self.counters.detach(request)
             request.slot = None
         if request in self.running:
             self.running.remove(request)
@@ -416,6 +466,13 @@ class Scheduler:
                 self._preempt(request)
         return failed
 
+    def decode_inputs(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+        """The schedule's decodes' positions (their computed tokens) and the token each runs: its
+        last one, or PENDING while that one is still on the device."""
+        counters, slots = self.counters, schedule.decode_slots
+        return (counters.num_computed_tokens[slots],
+                np.where(counters.num_pending_tokens[slots] > 0, PENDING, counters.last_token[slots]))
+
     # ---- results ----
 
     def update(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None) -> list[Request]:
@@ -427,22 +484,38 @@ class Scheduler:
         """Right after a step is dispatched: every scheduled request has computed its tokens, and
         each one that sampled holds a pending token (the last one, if it reaches max_tokens or
         the context). A request that filled a page records it in the prefix cache, or, while
-        the page's last token is still on the device, at the next `commit`."""
-        sampling, multi, running = schedule.sampling, schedule.decode_steps > 1, RequestStatus.RUNNING
-        caching, page_size, drafts = self.blocks.enable_caching, self.blocks.page_size, schedule.drafts
-        for request, n in schedule.num_tokens.items():
-            if request.status is not running:
+        the page's last token is still on the device, at the next `commit`. The decodes move on
+        as arrays over their slots (one token each, or their steps in a multi-step dispatch;
+        drafts count once verified, at `commit`); prompt chunks, a few, one by one."""
+        counters, num_decodes, multi = self.counters, schedule.num_decodes, schedule.decode_steps > 1
+        slots = schedule.decode_slots
+        live = counters.generation[slots] == schedule.decode_generations  # not ended since it was scheduled
+        steps = np.fromiter(schedule.num_tokens.values(), np.int64, num_decodes)[live] if multi else 1
+        slots = slots[live]
+        computed = counters.num_computed_tokens[slots] + steps
+        counters.num_computed_tokens[slots] = computed
+        counters.num_pending_tokens[slots] += steps
+        counters.stopping[slots] = computed + 1 >= counters.max_num_tokens[slots]  # all computed but the one sampled
+        if self.blocks.enable_caching:  # the decodes that filled a page (a few a step)
+            filled = slots[computed // self.blocks.page_size > counters.num_cached_pages[slots]]
+            for request in counters.requests[filled].tolist():
+                self._record_filled(schedule, request)
+        for request, n in itertools.islice(schedule.num_tokens.items(), num_decodes, None):
+            if request.status is not RequestStatus.RUNNING:
                 continue
-            if drafts and request in drafts:
-                n = 1  # its drafts count once verified, at `commit`
             computed = request.num_computed_tokens = request.num_computed_tokens + n
-            if request in sampling:
-                request.num_pending_tokens += n if multi else 1
-                request.stopping = computed + 1 >= request.max_num_tokens  # all its tokens computed but the one sampled
-            if caching and computed // page_size > request.num_cached_pages:  # a page filled (a few a step)
-                schedule.cached_pages += self.prefix.record(request)  # forgotten if the step fails
-                if self.prefix.behind(request):  # its last token is on the device: at the next commit
-                    self._unrecorded[request] = schedule
+            if request in schedule.sampling:
+                request.num_pending_tokens += 1
+                request.stopping = computed + 1 >= request.max_num_tokens
+            if self.prefix.behind(request):
+                self._record_filled(schedule, request)
+
+    def _record_filled(self, schedule: Schedule, request: Request) -> None:
+        """Records in the prefix cache the pages a request's step filled, as far as its tokens are
+        known on the host; the rest at the next `commit`."""
+        schedule.cached_pages += self.prefix.record(request)  # forgotten if the step fails
+        if self.prefix.behind(request):  # its last token is on the device: at the next commit
+            self._unrecorded[request] = schedule
 
     def commit(self, schedule: Schedule, tokens: np.ndarray, logprobs: list[dict] | None = None,
                verified: dict[Request, tuple[list[int], list[dict] | None]] | None = None) -> list[Request]:
@@ -453,30 +526,39 @@ class Scheduler:
         token and after each draft, and their logprobs (or None). Appends them, retires finished
         requests, and returns those.
 
-        Most rows append their one token and nothing else: only those that sampled a token that
-        ends some request, reach their length, sample their first token, run several steps or
-        carry log-probabilities are looked at token by token (`_commit_row`)."""
+        Most rows are decodes that append their one token and nothing else, as arrays over their
+        slots and one append each; only those that sampled a token that ends some request, reach
+        their length, sample their first token since admission, left their slot, run several
+        steps, carry log-probabilities or drafts, and prompt chunks are looked at token by token
+        (`_commit_row`)."""
         finished, now = [], self.clock()
-        steps, sampling, running = schedule.decode_steps, schedule.sampling, RequestStatus.RUNNING
+        steps, sampling, counters = schedule.decode_steps, schedule.sampling, self.counters
         drawn = np.asarray(tokens).reshape(steps, -1)
-        careful = self.stop_ids.among(drawn).any(axis=0) if steps == 1 and logprobs is None else \
-            np.ones(drawn.shape[1], bool)
-        for i, (request, token, look) in enumerate(zip(schedule.num_tokens, drawn[0].tolist(), careful.tolist())):
+        rows = range(drawn.shape[1])
+        if steps == 1 and logprobs is None and not verified:
+            slots, first = schedule.decode_slots, drawn[0, :schedule.num_decodes]
+            plain = ((counters.generation[slots] == schedule.decode_generations) & counters.decoding[slots]
+                     & ~counters.stopping[slots] & ~self.stop_ids.among(first))
+            slots, kept = slots[plain], first[plain]
+            counters.num_pending_tokens[slots] -= 1
+            counters.last_token[slots] = kept
+            for output, token in zip(map(_output_of, counters.requests[slots].tolist()), kept.tolist()):
+                output.append(token)
+            rows = itertools.chain(np.flatnonzero(~plain).tolist(), range(schedule.num_decodes, drawn.shape[1]))
+        requests = list(schedule.num_tokens)
+        for i in rows:
+            request = requests[i]
             if request not in sampling:
                 continue  # a prompt chunk that is not the last
+            if request.finished:
+                continue  # aborted meanwhile
             if verified and request in verified:
-                if not request.finished and self._commit_verified(schedule, request, *verified[request], now):
+                if self._commit_verified(schedule, request, *verified[request], now):
                     finished.append(request)
                 continue
-            if look or request.stopping or request.status is not running or request.first_token_time is None:
-                if request.finished:
-                    continue  # aborted meanwhile
-                if self._commit_row(request, drawn[:schedule.num_tokens[request] if steps > 1 else 1, i].tolist(),
-                                    logprobs and logprobs[i], now):
-                    finished.append(request)
-            else:
-                request.num_pending_tokens -= 1
-                request.output_token_ids.append(token)
+            if self._commit_row(request, drawn[:schedule.num_tokens[request] if steps > 1 else 1, i].tolist(),
+                                logprobs and logprobs[i], now):
+                finished.append(request)
         for request, computed_by in list(self._unrecorded.items()):
             if not request.finished:  # that step may still be running: forgotten with it if it fails
                 computed_by.cached_pages += self.prefix.record(request)
@@ -522,6 +604,8 @@ class Scheduler:
             if request.stopping and not request.num_pending_tokens:
                 self.finish(request, FinishReason.LENGTH)
                 return True
+        if request.counters is not None:
+            request.counters.commit_token(request, tokens[-1])
         return False
 
     def finish(self, request: Request, reason: FinishReason) -> None:

@@ -54,6 +54,10 @@ class SlotTable:
             first = start[g] if start else 0
             self._updates.extend((slot, g, i, page) for i, page in enumerate(pages[first:], first))
 
+    def write_entries(self, slots: np.ndarray, group: int, indices: np.ndarray, pages: Sequence[int]) -> None:
+        """Records entry indices[i] of group `group` in slots[i]'s tables as pages[i]."""
+        self._updates.extend(zip(slots.tolist(), [group] * len(pages), indices.tolist(), pages))
+
     def write_null(self, slot: int, entries: Sequence[tuple[int, int]]) -> None:
         """Records (group, index) entries that became the null page."""
         self._updates.extend((slot, g, i, 0) for g, i in entries)
