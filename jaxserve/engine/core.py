@@ -233,20 +233,22 @@ class EngineCore:
         requests = list(schedule.num_tokens)
         decodes, chunks = requests[:schedule.num_decodes], requests[schedule.num_decodes:]
         multi = schedule.decode_steps > 1  # num_tokens counts decode steps of one token each
-        starts, last_tokens = self.scheduler.decode_inputs(schedule)  # a decode runs the sequence's last token
-        chunk_starts = [r.num_computed_tokens for r in chunks]
-        drafts, sample_rows, token_ids = schedule.drafts, None, [last_tokens]
-        if drafts:  # and its drafts after it, each sampled after
-            token_ids = [[t for r, t in zip(decodes, last_tokens.tolist()) for t in [t, *drafts.get(r, ())]]]
+        slots, (starts, token_ids) = schedule.decode_slots, self.scheduler.decode_inputs(schedule)
+        drafts, sample_rows = schedule.drafts, None
+        if drafts:  # a decode runs its drafts after its last token, each sampled after
+            token_ids = np.array([t for r, t in zip(decodes, token_ids.tolist()) for t in [t, *drafts.get(r, ())]])
             sample_rows = np.array([1 + len(drafts.get(r, ())) for r in requests], np.int32)
-        token_ids += [r.token_ids(start, start + schedule.num_tokens[r]) for r, start in zip(chunks, chunk_starts)]
         counts = np.fromiter(schedule.num_tokens.values(), np.int32, len(requests))
         samples = np.ones(len(requests), bool)
-        samples[len(decodes):] = [r in schedule.sampling for r in chunks]
-        seqs = StepSeqs(np.concatenate([schedule.decode_slots, [r.slot for r in chunks]]).astype(np.int64),
-                        np.concatenate([starts, chunk_starts]).astype(np.int32),
-                        np.ones_like(counts) if multi else counts,
-                        np.concatenate(token_ids).astype(np.int32), samples)
+        if chunks:
+            chunk_starts = [r.num_computed_tokens for r in chunks]
+            slots = np.concatenate([slots, [r.slot for r in chunks]])
+            starts = np.concatenate([starts, chunk_starts])
+            token_ids = np.concatenate([token_ids, *(r.token_ids(start, start + schedule.num_tokens[r])
+                                                     for r, start in zip(chunks, chunk_starts))])
+            samples[len(decodes):] = [r in schedule.sampling for r in chunks]
+        seqs = StepSeqs(slots.astype(np.int64), starts.astype(np.int32), np.ones_like(counts) if multi else counts,
+                        token_ids.astype(np.int32), samples)
         table = self.scheduler.table
         changed = table.take_sampling_updates()
         updates = None

@@ -16,6 +16,9 @@ class SlotCounter:
     arrays by slot (`SlotCounters`, the attribute of the same name), so that a step moves every
     decode's at once; otherwise on the request, as `_<name>`."""
 
+    def __init__(self, flag: bool = False):
+        self.flag = flag  # kept there as 0 or 1, read as a bool
+
     def __set_name__(self, owner, name):
         self.name, self.field = name, "_" + name
 
@@ -25,7 +28,8 @@ class SlotCounter:
         counters = request.counters
         if counters is None:
             return getattr(request, self.field)
-        return getattr(counters, self.name).item(request.slot)  # a Python int or bool
+        value = getattr(counters, self.name).item(request.slot)  # a Python int
+        return bool(value) if self.flag else value
 
     def __set__(self, request, value):
         counters = request.counters
@@ -98,7 +102,7 @@ class Request:
     next_window_drop = SlotCounter()  # computed tokens at which a sliding window next leaves a page behind
     num_computed_tokens = SlotCounter()
     num_pending_tokens = SlotCounter()
-    stopping = SlotCounter()  # its pending token is its last
+    stopping = SlotCounter(flag=True)  # its pending token is its last
     num_cached_pages = SlotCounter()  # leading pages recorded in the prefix cache
 
     def __post_init__(self):

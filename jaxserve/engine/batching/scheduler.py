@@ -60,7 +60,8 @@ from jaxserve.engine.batching.kv_cache_manager import KVCacheManager
 from jaxserve.engine.batching.policies import Policy
 from jaxserve.engine.batching.prefix_cache import PrefixCache
 from jaxserve.engine.batching.request import PENDING, FinishReason, Request, RequestStatus
-from jaxserve.engine.batching.slot_counters import SlotCounters
+from jaxserve.engine.batching.slot_counters import (CACHED_PAGES, COMPUTED, DECODING, GENERATION, LAST_TOKEN,
+                                                    MAX_TOKENS, PENDING_TOKENS, STOPPING, TABLE_TOKENS, SlotCounters)
 from jaxserve.engine.batching.slot_table import SlotTable
 from jaxserve.engine.batching.speculation import Speculator, accepted
 from jaxserve.engine.batching.stop_ids import StopIds
@@ -171,7 +172,7 @@ class Scheduler:
         running ones) with `error`, and the step runs nothing."""
         self._failed, admitted = [], []
         try:
-            running = self.counters.running_slots()
+            running = self.counters.order
             if self.kv.has_windows:
                 self._drop_out_of_window(running)
             decodes, decode_slots, chunks, preempted = self._grow_running(running)
@@ -292,17 +293,19 @@ class Scheduler:
         cross a page, and those with other than one token left, are looked at one by one."""
         counters, running_status = self.counters, RequestStatus.RUNNING
         if self._failed:  # ended by their window drops
-            running = running[counters.held[running]]
-        requests = counters.requests[running]
-        decoding = counters.decoding[running] & ~counters.stopping[running]
-        left = decoding.astype(np.int64)
-        computed = counters.num_computed_tokens[running]
-        crossing = decoding & (computed >= counters.num_table_tokens[running])  # its token needs a new page
-        special = np.flatnonzero(crossing | ~(decoding | counters.stopping[running]))
+            running = counters.order
+        columns, requests = counters.values[:, running], counters.requests[running]
+        stopping, decoding = columns[STOPPING], columns[DECODING]
+        plain = decoding > stopping  # decodes: one token each
+        crossing = plain & (columns[COMPUTED] >= columns[TABLE_TOKENS])  # its token needs a new page
+        special = np.flatnonzero(crossing | ((decoding | stopping) == 0))
         if special.size and crossing[special].all() and self._add_decode_pages(requests[special], running[special]):
-            special = special[:0]  # decodes only, each given its next page at once (most steps)
-        preempted = []
-        for i, total in zip(special.tolist(), np.where(crossing, computed + 1, -1)[special].tolist()):
+            special = special[:0]  # decodes only, each given its next page at once
+        if not special.size:  # decodes only (most steps)
+            return requests[plain].tolist(), running[plain], [], []
+        preempted, left = [], plain.astype(np.int64)
+        totals = np.where(crossing, columns[COMPUTED] + 1, -1)[special]
+        for i, total in zip(special.tolist(), totals.tolist()):
             request = requests[i]
             if request.status is not running_status:
                 continue  # preempted earlier in this loop (only later ones are)
@@ -316,7 +319,7 @@ class Scheduler:
             except Exception:  # noqa: BLE001 — that request's bookkeeping, not everyone's
                 self._fail(request)
         if preempted or self._failed:
-            left[~counters.held[running]] = 0  # sent back or ended in this loop
+            left[counters.generation[running] != columns[GENERATION]] = 0  # sent back or ended in this loop
         decodes, chunks = np.flatnonzero(left == 1), np.flatnonzero(left > 1)
         return (requests[decodes].tolist(), running[decodes],
                 list(zip(requests[chunks].tolist(), left[chunks].tolist())), preempted)
@@ -469,9 +472,8 @@ class Scheduler:
     def decode_inputs(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
         """The schedule's decodes' positions (their computed tokens) and the token each runs: its
         last one, or PENDING while that one is still on the device."""
-        counters, slots = self.counters, schedule.decode_slots
-        return (counters.num_computed_tokens[slots],
-                np.where(counters.num_pending_tokens[slots] > 0, PENDING, counters.last_token[slots]))
+        columns = self.counters.values[:, schedule.decode_slots]
+        return columns[COMPUTED], np.where(columns[PENDING_TOKENS] > 0, PENDING, columns[LAST_TOKEN])
 
     # ---- results ----
 
@@ -488,17 +490,18 @@ class Scheduler:
         as arrays over their slots (one token each, or their steps in a multi-step dispatch;
         drafts count once verified, at `commit`); prompt chunks, a few, one by one."""
         counters, num_decodes, multi = self.counters, schedule.num_decodes, schedule.decode_steps > 1
-        slots = schedule.decode_slots
-        live = counters.generation[slots] == schedule.decode_generations  # not ended since it was scheduled
-        steps = np.fromiter(schedule.num_tokens.values(), np.int64, num_decodes)[live] if multi else 1
-        slots = slots[live]
-        computed = counters.num_computed_tokens[slots] + steps
+        slots, columns = schedule.decode_slots, counters.values[:, schedule.decode_slots]
+        steps = np.fromiter(schedule.num_tokens.values(), np.int64, num_decodes) if multi else 1
+        live = columns[GENERATION] == schedule.decode_generations  # not ended since it was scheduled
+        if not live.all():
+            slots, columns, steps = slots[live], columns[:, live], steps[live] if multi else 1
+        computed = columns[COMPUTED] + steps
         counters.num_computed_tokens[slots] = computed
-        counters.num_pending_tokens[slots] += steps
-        counters.stopping[slots] = computed + 1 >= counters.max_num_tokens[slots]  # all computed but the one sampled
+        counters.num_pending_tokens[slots] = columns[PENDING_TOKENS] + steps
+        counters.stopping[slots] = computed + 1 >= columns[MAX_TOKENS]  # all computed but the one sampled
         if self.blocks.enable_caching:  # the decodes that filled a page (a few a step)
-            filled = slots[computed // self.blocks.page_size > counters.num_cached_pages[slots]]
-            for request in counters.requests[filled].tolist():
+            filled = np.flatnonzero(computed // self.blocks.page_size > columns[CACHED_PAGES])
+            for request in counters.requests[slots[filled]].tolist():
                 self._record_filled(schedule, request)
         for request, n in itertools.islice(schedule.num_tokens.items(), num_decodes, None):
             if request.status is not RequestStatus.RUNNING:
@@ -537,14 +540,17 @@ class Scheduler:
         rows = range(drawn.shape[1])
         if steps == 1 and logprobs is None and not verified:
             slots, first = schedule.decode_slots, drawn[0, :schedule.num_decodes]
-            plain = ((counters.generation[slots] == schedule.decode_generations) & counters.decoding[slots]
-                     & ~counters.stopping[slots] & ~self.stop_ids.among(first))
-            slots, kept = slots[plain], first[plain]
-            counters.num_pending_tokens[slots] -= 1
-            counters.last_token[slots] = kept
-            for output, token in zip(map(_output_of, counters.requests[slots].tolist()), kept.tolist()):
+            columns = counters.values[:, slots]
+            plain = ((columns[GENERATION] == schedule.decode_generations) & (columns[DECODING] > columns[STOPPING])
+                     & ~self.stop_ids.among(first))
+            rows = range(schedule.num_decodes, drawn.shape[1])  # and prompt chunks
+            if not plain.all():
+                rows = itertools.chain(np.flatnonzero(~plain).tolist(), rows)
+                slots, first, columns = slots[plain], first[plain], columns[:, plain]
+            counters.num_pending_tokens[slots] = columns[PENDING_TOKENS] - 1
+            counters.last_token[slots] = first
+            for output, token in zip(map(_output_of, counters.requests[slots].tolist()), first.tolist()):
                 output.append(token)
-            rows = itertools.chain(np.flatnonzero(~plain).tolist(), range(schedule.num_decodes, drawn.shape[1]))
         requests = list(schedule.num_tokens)
         for i in rows:
             request = requests[i]

@@ -7,12 +7,15 @@ its cached pages, its next window drop) live here from its admission (`attach`) 
 its slot (`detach`); the request reads and writes them through those attributes, so they have one
 home at a time. Beside them, per slot:
 
-  decoding      it has committed a token since its admission, and is not done with its prompt
-                otherwise: each step runs its one last token (its uncomputed tokens are 1)
+  decoding      1 once it has committed a token since its admission: each step then runs its one
+                last token (its uncomputed tokens are 1) until it stops
   last_token    its last token known on the host, the one a decode runs when none is pending
   generation    changes whenever a request enters or leaves the slot: a step's rows whose
                 request has left since it was scheduled no longer match
-  admission     the order of admissions, which is the order of `Scheduler.running`
+
+Every column is a row of one int64 array [columns, slots] (booleans as 0 and 1), so a step reads
+all of a batch's in one gather: numpy's cost per call, not per slot, is what a small batch pays.
+`order` holds the slots in admission order (`Scheduler.running`'s).
 """
 
 from __future__ import annotations
@@ -23,33 +26,29 @@ from jaxserve.engine.batching.request import Request
 
 COUNTERS = ("num_computed_tokens", "num_pending_tokens", "num_table_tokens", "num_cached_pages",
             "next_window_drop", "stopping")
+COLUMNS = COUNTERS + ("max_num_tokens", "last_token", "decoding", "generation")
+COMPUTED, PENDING_TOKENS, TABLE_TOKENS, CACHED_PAGES, WINDOW_DROP, STOPPING, MAX_TOKENS, LAST_TOKEN, DECODING, \
+    GENERATION = range(len(COLUMNS))
 
 
 class SlotCounters:
     def __init__(self, max_slots: int):
-        for name in COUNTERS:
-            setattr(self, name, np.zeros(max_slots, bool if name == "stopping" else np.int64))
-        self.max_num_tokens = np.zeros(max_slots, np.int64)
-        self.last_token = np.zeros(max_slots, np.int64)
-        self.decoding = np.zeros(max_slots, bool)
-        self.generation = np.zeros(max_slots, np.int64)
-        self.admission = np.zeros(max_slots, np.int64)
+        self.values = np.zeros((len(COLUMNS), max_slots), np.int64)
+        for row, name in enumerate(COLUMNS):
+            setattr(self, name, self.values[row])  # a view: writes land in `values`
         self.requests = np.full(max_slots, None, object)
-        self.held = np.zeros(max_slots, bool)
-        self._admissions = 0
+        self.order = np.zeros(0, np.int64)
 
     def attach(self, request: Request) -> None:
         """Moves the counters of a request just given `request.slot` here."""
         slot = request.slot
-        for name in COUNTERS:
-            getattr(self, name)[slot] = getattr(request, name)
+        self.values[:len(COUNTERS), slot] = [getattr(request, name) for name in COUNTERS]
         self.max_num_tokens[slot] = request.max_num_tokens
         self.last_token[slot] = (request.output_token_ids or request.prompt_token_ids)[-1]
-        self.decoding[slot] = False
+        self.decoding[slot] = 0
         self.generation[slot] += 1
-        self._admissions += 1
-        self.admission[slot] = self._admissions
-        self.requests[slot], self.held[slot] = request, True
+        self.requests[slot] = request
+        self.order = np.append(self.order, slot)
         request.counters = self
 
     def detach(self, request: Request) -> None:
@@ -59,14 +58,11 @@ class SlotCounters:
         for name, value in values.items():
             setattr(request, name, value)
         self.generation[slot] += 1
-        self.requests[slot], self.held[slot], self.decoding[slot] = None, False, False
-
-    def running_slots(self) -> np.ndarray:
-        """The held slots in admission order (`Scheduler.running`'s)."""
-        held = np.flatnonzero(self.held)
-        return held[np.argsort(self.admission[held])]
+        self.decoding[slot] = 0
+        self.requests[slot] = None
+        self.order = self.order[self.order != slot]
 
     def commit_token(self, request: Request, token: int) -> None:
         """A held request appended `token` and decodes on (`decoding`)."""
         self.last_token[request.slot] = token
-        self.decoding[request.slot] = True
+        self.decoding[request.slot] = 1
