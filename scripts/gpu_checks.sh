@@ -6,8 +6,9 @@
 #   3. with KERNEL_BENCH=1, the kernel benchmark (ours vs the jnp reference vs jax's shipped decode
 #      kernel; `--kv-splits 1` runs ours without kv splits);
 #   4. the host's CPU time per step at 1 to 256 decoding sequences under a 32k context, with a
-#      jax.profiler trace of those steps (jaxserve.bench.host_cost, by phase), single steps and 4 decode steps
-#      per dispatch, and the device's busy share read from those traces (jaxserve.bench.trace_busy);
+#      jax.profiler trace of those steps (jaxserve.bench.host_cost, by phase), the bookkeeping alone at
+#      256 (this host's CPU without the device), single steps and 4 decode steps per dispatch, and
+#      the device's busy share read from those traces (jaxserve.bench.trace_busy);
 #      the batching benchmark (one request, and 32, traced) with 1 and 4 decode steps per dispatch,
 #      and decode tokens/s against batch size in bfloat16 and int8, on random Gemma 3 270M;
 #   5. start-up: `jaxserve generate` cold (empty cache) and warm, on random Gemma 3 270M;
@@ -39,6 +40,7 @@ nvidia-smi -L
 $PYTHON -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 part random_checkpoint 40 $PYTHON scripts/random_checkpoint.py /tmp/gemma3-270m-random
 part host_cost 75 $PYTHON -m jaxserve.bench.host_cost --sequences 1,8,64,256 --steps 20 --breakdown --trace "$LOGS/trace"
+part host_bookkeeping 30 $PYTHON -m jaxserve.bench.host_cost --bookkeeping --sequences 256 --steps 200
 part host_cost_steps 45 $PYTHON -m jaxserve.bench.host_cost --sequences 1,64 --steps 20 --decode-steps 4 --trace "$LOGS/trace-steps"
 # Command buffers (CUDA graphs) off, against the default above (XLA has captured Pallas's Triton
 # calls by default since openxla/xla#30765; jax issue 27988 needed a flag before).
