@@ -105,16 +105,21 @@ def start_decoding(engine: Engine, sequences: int, context: int, steps: int) -> 
     assert len(engine.scheduler.running) == sequences, "a sequence finished before the steps were timed"
 
 
-def measure_bookkeeping(engine: Engine, sequences: int, context: int, steps: int) -> dict[str, float]:
+def measure_bookkeeping(engine: Engine, sequences: int, context: int, steps: int,
+                        idle_ms: float = 0.0) -> dict[str, float]:
     """The host's bookkeeping of `steps` decode steps with no device at all: schedule, build the
     inputs, advance, commit (a constant token for every sequence), one after another on this
     thread. Per phase, the minimum and the median us of a step: without XLA's compute on the
     same cores these are stable to a few percent, where `measure`'s drift by 30% (docs/host.md).
+    With `idle_ms`, the thread sleeps that long before each step, as the engine's waits for a
+    step's tokens: what the same work costs once its caches have cooled.
     The engine's K/V no longer match its requests afterwards: they are aborted."""
     start_decoding(engine, sequences, context, steps)
     scheduler, clock, times = engine.scheduler, time.thread_time_ns, collections.defaultdict(list)
     tokens = np.full(sequences, 3, np.int32)
     for _ in range(steps):
+        if idle_ms:
+            time.sleep(idle_ms / 1e3)
         t0 = clock()
         schedule = scheduler.schedule()
         t1 = clock()
@@ -177,6 +182,8 @@ def main(argv=None) -> None:
     p.add_argument("--breakdown", action="store_true", help="also the CPU ms of each phase of a step (means)")
     p.add_argument("--bookkeeping", action="store_true", help="instead, the host's bookkeeping alone, with no "
                    "device: us per step by phase, minimum and median (this commit's internals)")
+    p.add_argument("--idle-ms", type=float, default=0.0, help="with --bookkeeping: sleep this long before each "
+                   "step, as the engine waits for a step's tokens")
     p.add_argument("--no-header", action="store_true")
     args = p.parse_args(argv)
     configs = [(m, n) for m in map(int, args.max_model_len.split(",")) for n in map(int, args.sequences.split(","))]
@@ -192,7 +199,7 @@ def main(argv=None) -> None:
     engine = tiny_engine(n, args.context, args.steps * args.decode_steps, max_model_len, args.layers, args.hidden,
                          args.decode_steps, args.sliding_window)
     if args.bookkeeping:
-        phases = measure_bookkeeping(engine, n, args.context, args.steps)
+        phases = measure_bookkeeping(engine, n, args.context, args.steps, args.idle_ms)
         print(f"  bookkeeping us at {n}, minimum / median: "
               + ", ".join(f"{label} {low:.0f} / {mid:.0f}" for label, (low, mid) in phases.items()), flush=True)
         return
