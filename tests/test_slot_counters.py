@@ -36,7 +36,7 @@ def expected_output(request: Request) -> list[int]:
 def check_counters(sched: Scheduler) -> None:
     """What the arrays by slot must agree with, between any two calls."""
     counters = sched.counters
-    assert counters.order.tolist() == [r.slot for r in sched.running]
+    assert len(set(counters.order.tolist())) == len(counters.order)  # each held slot once
     for request in sched.running:
         assert request.counters is counters and counters.requests[request.slot] is request
         if counters.decoding[request.slot] and not request.stopping:

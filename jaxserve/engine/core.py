@@ -159,7 +159,7 @@ class EngineCore:
             # draft: a sequence with a token still on the device cannot draft after it.
             speculator = self.scheduler.speculator
             if launched is not None and (not self.overlaps_steps or launched[3] or launched[0].drafts or (
-                    speculator is not None and speculator.drafting(len(self.scheduler.running)))):
+                    speculator is not None and speculator.drafting(self.scheduler.num_running))):
                 self._in_flight = None
                 finished += self._collect(*launched)
         except Exception:  # keep serving: the failed steps' requests end with `error`, the rest go on
@@ -266,7 +266,7 @@ class EngineCore:
         prefill = total - schedule.num_decodes - drafted if schedule.decode_steps == 1 else 0
         self.num_steps += 1
         self.history.append(StepRecord(time.time(), total, schedule.num_decodes, prefill,
-                                       len(self.scheduler.running), len(self.scheduler.waiting),
+                                       self.scheduler.num_running, len(self.scheduler.waiting),
                                        self.blocks.used_pages, self.blocks.cached_pages))
 
     def _collect(self, schedule, rows, in_flight, constrained=()) -> list[Request]:
@@ -341,7 +341,7 @@ class EngineCore:
         scheduler, blocks, runner = self.scheduler, self.blocks, self.runner
         speculator = scheduler.speculator
         return {
-            "running": len(scheduler.running),
+            "running": scheduler.num_running,
             "waiting": len(scheduler.waiting) + len(self.compiling),  # queued, or their grammars compiling
             "free_pages": blocks.free_pages,  # unreferenced, holding nothing reusable
             "cached_pages": blocks.cached_pages,  # unreferenced, holding a prefix-cache page

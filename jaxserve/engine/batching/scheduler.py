@@ -133,7 +133,6 @@ class Scheduler:
         self.table = SlotTable(config.max_slots, config.eos_token_ids, config.stop_ids_width)
         self.counters = SlotCounters(config.max_slots)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_slots))  # a heap: the lowest free slot first
         self.prefix = PrefixCache(blocks, self.kv)
         self._failed: list[Request] = []  # this schedule's requests whose scheduling raised
@@ -152,8 +151,17 @@ class Scheduler:
         self.stop_ids.add(request)
         self.waiting.append(request)
 
+    @property
+    def running(self) -> list[Request]:
+        """The requests holding a slot, in admission order."""
+        return self.counters.requests[self.counters.order].tolist()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.counters.order)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting) or self.num_running > 0
 
     def abort(self, request_id: str) -> Request | None:
         """Ends a waiting or running request with `abort`; returns it, or None if unknown."""
@@ -228,7 +236,7 @@ class Scheduler:
         """Gives decoding requests draft tokens to verify (`speculation`), within the budget the
         step leaves and the pages free now (no one is preempted for a draft)."""
         budget = self.config.max_num_batched_tokens - schedule.total_tokens
-        if budget <= 0 or not self.speculator.new_step(len(self.running)):
+        if budget <= 0 or not self.speculator.new_step(self.num_running):
             return
         for request in list(schedule.num_tokens)[:schedule.num_decodes]:
             if request.stopping or request.num_pending_tokens:
@@ -345,7 +353,7 @@ class Scheduler:
         lengths = [len(t) for t in request.pages]
         needed = self.kv.pages_to_add(lengths, request.num_computed_tokens, total)
         while needed > 0 and not self.blocks.can_allocate(needed):
-            victim = self.running[-1]
+            victim = self.counters.requests[self.counters.order[-1]]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
@@ -365,7 +373,7 @@ class Scheduler:
         schedule knows whom it admitted)."""
         held_back = []
         try:
-            allowed = self.policy.admissible(self.waiting, len(self.running), self.clock())
+            allowed = self.policy.admissible(self.waiting, self.num_running, self.clock())
         except Exception:  # noqa: BLE001 — the policy was deciding about the queue's head: it ends, the rest wait
             if self.waiting:
                 self._fail(self.waiting.popleft())
@@ -405,7 +413,6 @@ class Scheduler:
         self.counters.attach(request)
         if request.admit_time is None:
             request.admit_time = self.clock()
-        self.running.append(request)
         self.blocks.share(shared)
         request.pages = tables
         request.num_computed_tokens, request.num_cached_pages = hit * page_size, hit
@@ -428,8 +435,6 @@ class Scheduler:
             heapq.heappush(self._free_slots, request.slot)
             self.counters.detach(request)
             request.slot = None
-        if request in self.running:
-            self.running.remove(request)
 
     def _preempt(self, request: Request) -> None:
         """Frees a running sequence's pages; it is recomputed from its tokens when readmitted."""

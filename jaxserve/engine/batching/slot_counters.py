@@ -15,7 +15,7 @@ home at a time. Beside them, per slot:
 
 Every column is a row of one int64 array [columns, slots] (booleans as 0 and 1), so a step reads
 all of a batch's in one gather: numpy's cost per call, not per slot, is what a small batch pays.
-`order` holds the slots in admission order (`Scheduler.running`'s).
+`order` holds the held slots in admission order: it is where `Scheduler.running` comes from.
 """
 
 from __future__ import annotations
