@@ -270,10 +270,12 @@ def main(argv=None) -> None:
     print("\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype, quantization in itertools.product(args.dtypes.split(","), args.quantizations.split(",")):
+        max_model_len = max(512, args.context + 1)
+        seqs_pages = max(max(batches) * -(-args.context // 16), -(-max_model_len // 16))  # one full sequence fits too
         engine = Engine.from_pretrained(args.model, EngineConfig(
             dtype=dtype, max_slots=max(batches), max_num_batched_tokens=max(256, max(batches)),
-            max_model_len=max(512, args.context + 1), quantization=quantization_arg(quantization),
-            num_pages=1 + GROUPS * max(batches) * -(-args.context // 16)))
+            max_model_len=max_model_len, quantization=quantization_arg(quantization),
+            num_pages=1 + GROUPS * seqs_pages))
         peak = peak32 if engine.runner.dtype == "float32" else peak16
         label = f"{dtype}: {'/'.join(sorted(engine.runner.states))}"  # "auto" may mix dtypes per bucket
         if engine.runner.quant is not None:
