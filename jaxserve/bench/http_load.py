@@ -16,11 +16,13 @@ import httpx
 
 class Call:
     """One request to `path` and what came back, filled in as it arrives. A streamed body
-    (`"stream": true`) is read event by event, and closed by the client after `cancel_after`
-    events if that is set."""
+    (`"stream": true`, or `stream=True` for a body encoded ahead) is read event by event, and
+    closed by the client after `cancel_after` events if that is set."""
 
-    def __init__(self, path: str, body: dict | bytes, kind: str = "", cancel_after: int | None = None):
+    def __init__(self, path: str, body: dict | bytes, kind: str = "", cancel_after: int | None = None,
+                 stream: bool | None = None):
         self.path, self.body, self.kind, self.cancel_after = path, body, kind, cancel_after
+        self.stream = stream
         self.status: int | None = None  # the HTTP status
         self.headers: dict[str, str] = {}
         self.error: str | None = None  # what broke the exchange: a connection error, a malformed answer
@@ -35,6 +37,8 @@ class Call:
 
     @property
     def streamed(self) -> bool:
+        if self.stream is not None:
+            return self.stream
         return isinstance(self.body, dict) and bool(self.body.get("stream"))
 
     @property
@@ -102,7 +106,9 @@ async def send(client: httpx.AsyncClient, call: Call) -> Call:
 
 
 async def _read_stream(client: httpx.AsyncClient, call: Call) -> None:
-    async with client.stream("POST", call.path, json=call.body) as r:
+    raw = isinstance(call.body, bytes)  # encoded ahead: a large body's encoding is the sender's work
+    async with client.stream("POST", call.path, content=call.body if raw else None, json=None if raw else call.body,
+                             headers={"content-type": "application/json"}) as r:
         call.status, call.headers = r.status_code, dict(r.headers)
         if r.status_code != 200:
             raw = (await r.aread()).decode(errors="replace")
