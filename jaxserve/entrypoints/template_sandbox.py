@@ -1,99 +1,52 @@
 """A request's own chat template renders in a process of its own, which is killed past its time.
 
 Rendering Jinja is pure Python: in a thread of the API process, a template written to loop holds
-the GIL and every stream and `/health` wait behind it (measured: `/health` p99 385 ms, streams'
-ITL p99 6x), and the thread cannot be stopped. In a worker process it shares only the CPU, and at
-its time limit the worker is killed and replaced. The server's own template (a file, the model's)
-is trusted and renders in the API process.
+the GIL and every stream and `/health` wait behind it, and the thread cannot be stopped. So it
+renders in a worker process (`worker_processes`). The server's own template (a file, the
+model's) is trusted and renders in the API process.
 
-    TemplateSandbox.render(template, variables, timeout) ─► an idle worker (started when first
-    needed, WORKERS at most) ─► (template, variables) over a pipe ─► the text, or ValueError (the
-    template refused or failed), or TimeoutError (the worker killed)
+    TemplateSandbox.render(template, variables, timeout) ─► a worker (WORKERS at most) ─► render
+    there ─► the text, or ValueError (the template refused or failed), or TimeoutError (the
+    worker killed)
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
-import queue
-import threading
+
+from jaxserve.entrypoints.worker_processes import WorkerProcesses
 
 WORKERS = 2
 _MAX_COMPILED = 16  # templates a worker keeps compiled
+_compiled: dict[str, object] = {}  # in a worker: template text -> compiled template
 
 
 class TemplateSandbox:
     def __init__(self, workers: int = WORKERS):
-        self._context = multiprocessing.get_context("spawn")  # a clean interpreter: no fork of the server's threads
-        self._idle: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(workers)
-        self.killed = 0  # workers killed past their time limit
+        self._workers = WorkerProcesses(workers, "jaxserve-template")
+
+    @property
+    def killed(self) -> int:
+        """Workers killed past their time limit."""
+        return self._workers.killed
 
     def render(self, template: str, variables: dict, timeout: float) -> str:
         """The template rendered with `variables`, by a worker process, within `timeout` seconds
         (TimeoutError past it: the worker is killed). ValueError when the template fails."""
-        with self._slots:
-            worker = self._take()
-            try:
-                worker.conn.send((template, variables))
-                if not worker.conn.poll(timeout):
-                    self.killed += 1
-                    raise TimeoutError(f"the template rendered for over {timeout:g} s")
-                ok, value = worker.recv()
-            except BaseException:
-                worker.kill()
-                raise
-            self._idle.put(worker)
-        if not ok:
-            raise ValueError(value)
-        return value
-
-    def _take(self) -> "_Worker":
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            return _Worker(self._context)
+        return self._workers.call(render, (template, variables), timeout, what="rendering the chat template")
 
 
-class _Worker:
-    """One worker process and the parent's end of its pipe."""
-
-    def __init__(self, context):
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=serve, args=(child,), name="jaxserve-template", daemon=True)
-        self.process.start()
-        child.close()
-
-    def recv(self):
-        try:
-            return self.conn.recv()
-        except EOFError:  # the worker died (out of memory, a crash): the request fails, not the server
-            raise ValueError("the chat template's worker process died while rendering") from None
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(5)
-        self.conn.close()
-
-
-def serve(conn) -> None:
-    """A worker's loop: (template, variables) in, (True, text) or (False, why) out."""
-    env = environment()
-    compiled: dict[str, object] = {}
-    while True:
-        try:
-            template, variables = conn.recv()
-        except EOFError:
-            return  # the server has gone
-        try:
-            if template not in compiled:
-                if len(compiled) >= _MAX_COMPILED:
-                    compiled.clear()
-                compiled[template] = env.from_string(template)
-            conn.send((True, compiled[template].render(**variables)))
-        except Exception as e:  # noqa: BLE001 — a template refusing the conversation is the client's error
-            conn.send((False, f"the chat template could not render these messages: {e}"))
+def render(template: str, variables: dict) -> str:
+    """In a worker: the template (compiled once, a few kept) rendered with `variables`."""
+    try:
+        if template not in _compiled:
+            if len(_compiled) >= _MAX_COMPILED:
+                _compiled.clear()
+            _compiled[template] = environment().from_string(template)
+        return _compiled[template].render(**variables)
+    except Exception as e:  # noqa: BLE001 — a template refusing the conversation is the client's error
+        raise ValueError(f"the chat template could not render these messages: {e}") from None
 
 
 def environment():
