@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 from jaxserve.engine.batching.structured_outputs import StructuredOutputs
-from jaxserve.entrypoints.offload import off_loop
+from jaxserve.entrypoints.offload import TIME_LIMIT_S, off_loop
 from jaxserve.entrypoints.protocol import ApiError
 from jaxserve.entrypoints.tool_parsers import PARSERS, ToolCall
+from jaxserve.entrypoints.worker_processes import WorkerProcesses
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -48,14 +50,40 @@ class ToolCalls:
         return [ToolCall(name, json.dumps(arguments)).openai() for name, arguments in calls]
 
 
+CHECKERS = 2  # worker processes that check constraints
+_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls")  # what it reads
+_checkers = WorkerProcesses(CHECKERS, "jaxserve-constraint")
+
+
 async def checked_constraint(body, chat: bool, tool_call_parser: str | None = None
                              ) -> tuple[StructuredOutputs | None, ToolCalls | None]:
-    """`constraint`, off the event loop when there is one to check: llguidance took a second to
-    check a JSON schema of 13,000 properties (it lets go of the GIL meanwhile)."""
+    """`constraint`, in a worker process when there is one to check: for a JSON schema of 500 kB,
+    turning it into a grammar held the GIL for about 30 ms in pieces of 6-11 ms (every stream
+    stopped for one gap that long), and llguidance's check took a second (without the GIL)."""
     fmt = body.response_format
     if body.structured_outputs is None and (fmt is None or fmt.type == "text") and not (chat and body.tools):
         return constraint(body, chat, tool_call_parser)
-    return await off_loop(lambda: constraint(body, chat, tool_call_parser), what="checking the output's constraint")
+    fields = types.SimpleNamespace(**{name: getattr(body, name, None) for name in _FIELDS})  # not the prompt
+    what = "checking the output's constraint"
+
+    def check():
+        try:
+            ok, outcome = _checkers.call(_constraint_outcome, (fields, chat, tool_call_parser), TIME_LIMIT_S, what)
+        except TimeoutError:
+            raise ApiError(400, f"{what} took over {TIME_LIMIT_S:g} s") from None
+        if not ok:
+            status, message, type_, param, code = outcome
+            raise ApiError(status, message, type_, param, code)
+        return outcome
+    return await off_loop(check, what=what)
+
+
+def _constraint_outcome(fields, chat: bool, tool_call_parser: str | None):
+    """In a worker: (True, `constraint`'s answer), or (False, its ApiError's fields)."""
+    try:
+        return True, constraint(fields, chat, tool_call_parser)
+    except ApiError as e:
+        return False, (e.status, e.message, e.type, e.param, e.code)
 
 
 def constraint(body, chat: bool, tool_call_parser: str | None = None
