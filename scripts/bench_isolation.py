@@ -138,13 +138,15 @@ async def phase(url: str, model: str, args, seconds: float, heavy=None):
     stop, out = context.Event(), context.Queue()
     poller = context.Process(target=poll_health, args=(url, args.health_interval, stop, out), daemon=True)
     poller.start()
-    until = [time.monotonic() + seconds]
-    running = asyncio.ensure_future(streams(url, model, args, until))
-    if heavy is not None:
-        await asyncio.sleep(args.lead_s)
-        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+    # The heavy request's client opens before the streams start: opening one loads the CA
+    # certificates for TLS (about 30 ms here), a stall of this process the streams would show.
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        until = [time.monotonic() + seconds]
+        running = asyncio.ensure_future(streams(url, model, args, until))
+        if heavy is not None:
+            await asyncio.sleep(args.lead_s)
             await heavy(c, until)
-    calls = await running
+        calls = await running
     stop.set()
     health = await asyncio.get_running_loop().run_in_executor(None, out.get)
     poller.join()
