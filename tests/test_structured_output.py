@@ -5,6 +5,7 @@ the middle of an output, prefix caching, bad schemas, and no compile after warm-
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import threading
@@ -247,6 +248,7 @@ def test_abort_frees_the_matcher(engine):
 
 
 GATED = "[a-z]{7}"  # a grammar whose compile waits for the test (`gate`)
+UNGATED = "[a-z]{7,7}"  # the same language, compiled at once
 
 
 @pytest.fixture
@@ -263,15 +265,27 @@ def gate(engine, monkeypatch):
                 raise gate.error
         return compile_now(spec)
     monkeypatch.setattr(engine.core.grammars, "_compile", gated)
+    monkeypatch.setattr(engine.core.grammars, "_grammars", collections.OrderedDict())  # none kept: each compiles
     yield gate
     gate.set()  # a compile nobody waits for any more ends
 
 
+def test_a_grammar_asked_for_again_is_copied_not_compiled(engine, monkeypatch):
+    compiles = []
+    compile_now = engine.core.grammars._compile
+    monkeypatch.setattr(engine.core.grammars, "_compile", lambda spec: compiles.append(spec) or compile_now(spec))
+    params = constrained(regex="[a-z]{3} [0-9]{2}", max_tokens=12)
+    first = engine.generate([PROMPT, "a dog"], params)
+    again = engine.generate([PROMPT, "a dog", PROMPT], params)
+    assert len(compiles) == 1
+    assert [o.token_ids for o in again] == [o.token_ids for o in first] + [first[0].token_ids]
+    assert all(re.fullmatch("[a-z]{3} [0-9]{2}", o.text) for o in again)
+    assert_idle(engine)
+
+
 def test_a_grammar_compiles_beside_the_loop_while_the_others_step(engine, gate):
     slow, plain = constrained(regex=GATED), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    gate.set()
-    reference = engine.generate([PROMPT, "a dog"], [slow, plain])
-    gate.clear()
+    reference = engine.generate([PROMPT, "a dog"], [constrained(regex=UNGATED), plain])
     engine.add_request(PROMPT, slow, request_id="slow")
     engine.add_request("a dog", plain, request_id="plain")
     engine.run_until(lambda: engine.request("plain").finished)
