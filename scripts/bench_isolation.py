@@ -115,6 +115,20 @@ async def streams(url: str, model: str, args, until: list[float]) -> list[Call]:
     return sent
 
 
+def send_apart(url: str, body: bytes, go, out) -> None:
+    """In a process of its own: once `go` is set, sends the streamed completion `body` (encoded)
+    and puts how it went on `out` (when sent, first token, end: time.monotonic(); how it ended,
+    its text, its error messages)."""
+    async def send_it() -> Call:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+            return await send(c, stamped_call("/v1/completions", body, stream=True))
+    call = asyncio.run(send_it())
+    out.put({"start": call.start, "first": call.first, "end": call.end, "ended_as": call.ended_as(),
+             "text": "".join(c["choices"][0].get("text") or "" for c in call.chunks if c.get("choices")),
+             "errors": [e.get("message", "")[:100] for e in call.errors()]})
+
+
 def poll_health(url: str, interval: float, stop, out) -> None:
     """GET /health every `interval` seconds until `stop` is set, in a process of its own (so that
     reading the streams does not delay it); puts [(when sent, seconds, status)] on `out`."""
@@ -275,29 +289,32 @@ async def schema_mode(args, url: str, model: str, pid: int) -> bool:
     base, base_health = await phase(url, model, args, args.baseline_s)
     body = {"model": model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "stream": True,
             "structured_outputs": {"json": schema}}
-    body = json.dumps(body).encode()  # ahead: encoding it is this process's work, not the server's
+    # Sent from a process of its own, started before the streams: encoding and writing 498 kB
+    # here would stall this process's reading of the streams, a gap they would show.
+    context = multiprocessing.get_context("fork")
+    go, out = context.Event(), context.Queue()
+    sender = context.Process(target=send_apart, args=(url, json.dumps(body).encode(), go, out), daemon=True)
+    sender.start()
     seen = {}
 
     async def heavy(c, until):
-        seen["sent"] = time.monotonic()
         until[0] = math.inf
-        seen["call"] = await send(c, stamped_call("/v1/completions", body, stream=True))
+        go.set()
+        seen.update(await asyncio.get_running_loop().run_in_executor(None, out.get))
         until[0] = time.monotonic() + args.tail_s
 
     calls, health = await phase(url, model, args, args.baseline_s, heavy)
-    sent, call = seen["sent"], seen["call"]
-    answered = call.first if not math.isnan(call.first) else call.end
-    window = (sent, answered + 1.0)  # from sending it to a second after its first token (or its end)
+    sender.join()
+    sent, first, end = seen["start"], seen["first"], seen["end"]
+    window = (sent, (end if math.isnan(first) else first) + 1.0)  # to a second after its first token (or its end)
     base_itl, load_itl = [v for _, v in gaps(base)], within(gaps(calls), *window)
     in_window = [h for h in health if window[0] <= h[0] <= window[1]]
     p99_base, max_load = percentile(base_itl, 99), max(load_itl, default=math.nan)
-    text = "".join(c["choices"][0].get("text") or "" for c in call.chunks if c.get("choices"))
-    errors = [e.get("message", "")[:100] for e in call.errors()]
     rows = [*itl_rows(f"{args.streams} streams alone", base_itl), health_row("streams alone", base_health),
             *itl_rows(f"{args.streams} streams while the schema is added", load_itl),
             health_row("while the schema is added", in_window),
-            ("the schema request got", f"{call.ended_as()} after {call.end - sent:.2f} s (first token after "
-                                       f"{call.first - sent:.2f} s): {text[:40]!r} {errors[:1]}"),
+            ("the schema request got", f"{seen['ended_as']} after {end - sent:.2f} s (first token after "
+                                       f"{first - sent:.2f} s): {seen['text'][:40]!r} {seen['errors'][:1]}"),
             ("the 5 largest gaps while it is added: ms, at s after sending it",
              ", ".join(f"{v * 1e3:.0f} at {t - v - sent:.2f}" for t, v in largest(gaps(calls), *window, 5))),
             ("max ITL while it is added / p99 alone", f"{max_load / p99_base:.2f}x", "< 2x", max_load < 2 * p99_base)]
