@@ -310,7 +310,10 @@ async def schema_mode(args, url: str, model: str, pid: int) -> bool:
     base_itl, load_itl = [v for _, v in gaps(base)], within(gaps(calls), *window)
     in_window = [h for h in health if window[0] <= h[0] <= window[1]]
     p99_base, max_load = percentile(base_itl, 99), max(load_itl, default=math.nan)
+    base_start = min(c.start for c in base)
     rows = [*itl_rows(f"{args.streams} streams alone", base_itl), health_row("streams alone", base_health),
+            ("streams alone, the 5 largest gaps: ms, at s into the phase",
+             ", ".join(f"{v * 1e3:.0f} at {t - v - base_start:.2f}" for t, v in largest(gaps(base), -math.inf, math.inf, 5))),
             *itl_rows(f"{args.streams} streams while the schema is added", load_itl),
             health_row("while the schema is added", in_window),
             ("the schema request got", f"{seen['ended_as']} after {end - sent:.2f} s (first token after "
