@@ -20,7 +20,7 @@ import json
 import types
 
 from jaxserve.engine.batching.structured_outputs import StructuredOutputs
-from jaxserve.entrypoints.offload import TIME_LIMIT_S, off_loop
+from jaxserve.entrypoints.offload import TIME_LIMIT_S, off_loop, over_time_limit
 from jaxserve.entrypoints.protocol import ApiError
 from jaxserve.entrypoints.tool_parsers import PARSERS, ToolCall
 from jaxserve.entrypoints.worker_processes import WorkerProcesses
@@ -69,8 +69,8 @@ async def checked_constraint(body, chat: bool, tool_call_parser: str | None = No
     def check():
         try:
             ok, outcome = _checkers.call(_constraint_outcome, (fields, chat, tool_call_parser), TIME_LIMIT_S, what)
-        except TimeoutError:
-            raise ApiError(400, f"{what} took over {TIME_LIMIT_S:g} s") from None
+        except TimeoutError:  # its worker killed
+            raise over_time_limit(what) from None
         if not ok:
             status, message, type_, param, code = outcome
             raise ApiError(status, message, type_, param, code)

@@ -31,7 +31,12 @@ async def off_loop(fn, *args, what: str = "the request's text", param: str | Non
     try:
         return await asyncio.wait_for(future, TIME_LIMIT_S)
     except asyncio.TimeoutError:
-        raise ApiError(400, f"{what} took over {TIME_LIMIT_S:g} s to process", param=param) from None
+        raise over_time_limit(what, param) from None
+
+
+def over_time_limit(what: str, param: str | None = None) -> ApiError:
+    """The 400 of request work that ran past TIME_LIMIT_S."""
+    return ApiError(400, f"{what} took over {TIME_LIMIT_S:g} s to process", param=param)
 
 
 async def answer(build, num_tokens: int):
