@@ -30,7 +30,7 @@ from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.model.default_model import default_model_path
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import load_model
-from jaxserve.model.quantization import GROUP, Int8Dot, block_rows, dequantize, quantize
+from jaxserve.model.quantization import GROUP, GROUPS, OUTLIERS, Int8Dot, block_rows, dequantize, quantize, with_outliers
 from jaxserve.model.transformer import Transformer
 from jaxserve.pallas_kernels.backend import attention_fn
 from jaxserve.worker.kv_pool import allocate_kv_pool
@@ -100,6 +100,22 @@ def gguf_requantization_error(path: str) -> dict[str, tuple[int, float, float]]:
     return {name: (int(n), (e / s) ** 0.5, worst) for name, (n, e, s, worst) in totals.items()}
 
 
+def output_layer_error(path: str) -> tuple[str, float, float]:
+    """(storage type, relative RMS error, largest error in steps of its row's int8 scale) of int8's
+    output layer (`with_outliers`: a scale per output channel, its largest input channels in
+    float32) against the values the file stores, for the tensor the output layer reads."""
+    import gguf
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    tensor = tensors.get("output.weight", tensors["token_embd.weight"])
+    stored = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # [V, D]
+    q, scale, channels, kept = (np.asarray(a) for a in with_outliers(*quantize(stored, 1, GROUP), 1, OUTLIERS["int8"]))
+    ours = dequantize(q, scale, 1)
+    ours[:, channels] = kept
+    err = ours - stored
+    steps = np.abs(err) / scale.astype(np.float32)
+    return tensor.tensor_type.name, float(np.sqrt((err.astype(np.float64) ** 2).sum() / (stored.astype(np.float64) ** 2).sum())), float(steps.max())
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
@@ -114,6 +130,9 @@ def main(argv=None) -> None:
         print("\n| stored as | matrices | int8's relative RMS error | largest error, in int8 steps |\n|---|---|---|---|")
         for qtype, (n, rms, worst) in sorted(gguf_requantization_error(path).items()):
             print(f"| {qtype} | {n} | {rms:.2e} | {worst:.2f} |")
+        qtype, rms, worst = output_layer_error(path)
+        print(f"| {qtype}, the output layer: a scale per output channel, {OUTLIERS['int8']} input channels in float32 "
+              f"| 1 | {rms:.2e} | {worst:.2f} |")
     cfg, weights, tokenizer, name = load_model(args.model)
     ids = tokenizer.encode(pydoc_data.topics.topics["execmodel"])[:args.tokens]
     print(f"{name}; text: the first {len(ids)} tokens of the Python Language Reference's 'Execution model'")
@@ -121,7 +140,7 @@ def main(argv=None) -> None:
     scores, tokens = {}, {}
     for mode in modes:
         quant = None if mode is None else Int8Dot(mode, args.dtype, block_rows(cfg.vocab_size, cfg.hidden_size),
-                                                   group=GROUP if mode == "int8" else None)
+                                                   GROUPS[mode], OUTLIERS[mode])
         scores[mode] = text_scores(Transformer(cfg, weights, jnp.dtype(args.dtype), quant=quant), ids)
         engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype=args.dtype, quantization=mode, max_slots=16,
                                                               max_model_len=256, num_pages=1024), model_name=name)

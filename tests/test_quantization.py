@@ -17,7 +17,7 @@ import pytest
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.model import quantization
 from jaxserve.model.loader import load_model
-from jaxserve.model.quantization import GROUP, Int8Dot, dequantize, quantize
+from jaxserve.model.quantization import GROUP, OUTLIERS, Int8Dot, dequantize, quantize, with_outliers
 from jaxserve.model.transformer import Transformer
 from model_helpers import paged_logits
 
@@ -39,6 +39,32 @@ def test_quantize_stores_each_group_within_half_a_step_of_its_weights():
     per_channel_q, per_channel_s = quantize(w.T, 1, None)  # contracted along axis 1, one scale a row
     assert per_channel_s.shape == (5, 1) and per_channel_q.shape == (5, 96)
     assert quantize(w, 0, 7)[1].shape == (1, 5)  # a group that does not divide the axis: per channel
+
+
+def outlier_weights(q, s, channels, kept, axis: int) -> np.ndarray:
+    """The float32 weights an output layer laid out by `with_outliers` stands for."""
+    w = dequantize(q, s, axis)
+    index = [slice(None)] * 2
+    index[axis] = np.asarray(channels)
+    w[tuple(index)] = np.asarray(kept)
+    return w
+
+
+@pytest.mark.parametrize("axis", [1, 0])  # a tied embedding [V, D], an output layer [D, V]
+def test_the_output_layer_keeps_its_largest_input_channels_in_float_and_the_rest_per_channel(axis):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((300, 64)).astype(np.float32) * 0.05  # [V, D]
+    w[:, [5, 40]] *= 30  # two outlier input channels
+    w = w if axis == 1 else w.T
+    q, s = quantize(w, axis, GROUP)
+    layout = q_, s_, channels, kept = [np.asarray(a) for a in with_outliers(jnp.asarray(q), jnp.asarray(s), axis, 4)]
+    source = dequantize(q, s, axis)  # what the blocks stand for
+    magnitude = np.abs(source).max(axis=1 - axis)
+    assert set(channels) == set(np.argsort(magnitude)[-4:]) and {5, 40} <= set(channels) and list(channels) == sorted(channels)
+    assert np.array_equal(kept, np.take(source, channels, axis=axis))  # as they were, not rounded again
+    assert not np.take(q_, channels, axis=axis).any() and s_.shape[axis] == 1  # one scale per output channel
+    step = s_.astype(np.float32)
+    assert np.all(np.abs(outlier_weights(*layout, axis) - source) <= step / 2 * (1 + 1e-6))
 
 
 def reference_dot(x, q, s, axis: int, w8a8: bool) -> np.ndarray:
@@ -70,6 +96,25 @@ def test_the_dots_equal_a_float64_reference_of_the_same_int8_weights(mode, group
     np.testing.assert_allclose(np.asarray(rows), dequantize(tied_q, tied_s, 1)[[3, 0, 255]], rtol=1e-6)
 
 
+def test_the_output_layer_with_float_channels_equals_a_float64_reference():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
+    untied = [np.asarray(a) for a in with_outliers(*quantize(w, 0, GROUP), 0, 8)]
+    tied = [np.asarray(a) for a in with_outliers(*quantize(w.T, 1, GROUP), 1, 8)]
+    for rows in (0, 64):
+        dot = Int8Dot("int8", "float32", rows, GROUP, 8)
+        for layout, axis in ((untied, 0), (tied, 1)):
+            q, s, channels, kept = layout
+            want = x.astype(np.float64) @ (outlier_weights(*layout, axis).astype(np.float64) if axis == 0
+                                          else outlier_weights(*layout, axis).T.astype(np.float64))
+            got = dot.output_layer(x, q, s, axis == 1, channels, kept)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    rows = Int8Dot("int8", "float32", 0, GROUP, 8).embedding(*map(jnp.asarray, tied[:2]), jnp.array([3, 0, 255]),
+                                                             *map(jnp.asarray, tied[2:]))
+    np.testing.assert_allclose(np.asarray(rows), outlier_weights(*tied, 1)[[3, 0, 255]], rtol=1e-6)
+
+
 def test_w8a8_takes_one_scale_per_output_channel():
     with pytest.raises(ValueError, match="per output channel"):
         Int8Dot("w8a8", "float32", 0, GROUP)
@@ -77,12 +122,16 @@ def test_w8a8_takes_one_scale_per_output_channel():
 
 def dequantized_weights(weights: dict, cfg) -> dict:
     """The float weights int8 ones stand for: each matrix through quantize and back, along its
-    contracted axis, as the model quantizes them (fusing q/k/v and gate/up only reorders columns)."""
+    contracted axis, as the model quantizes them (fusing q/k/v and gate/up only reorders columns),
+    and the output layer laid out again with its largest input channels in float."""
     out = dict(weights)
     for name, w in weights.items():
         if name.split(".")[-1] in MATRICES or name == "lm_head":
             out[name] = dequantize(*quantize(w, 0, GROUP), 0)
     out["embed"] = dequantize(*quantize(weights["embed"], 1, GROUP), 1)
+    name, axis = ("embed", 1) if cfg.tie_embeddings else ("lm_head", 0)
+    layout = with_outliers(*quantize(weights[name], axis, GROUP), axis, OUTLIERS["int8"])
+    out[name] = outlier_weights(*layout, axis)
     return out
 
 
@@ -95,7 +144,8 @@ def models(checkpoints):
 def test_int8_logits_equal_the_float_model_on_the_weights_they_stand_for(models, kind):
     cfg, weights, _ = models[kind]
     tokens = np.arange(3, 23, dtype=np.int32)
-    got = paged_logits(Transformer(cfg, weights, quant=Int8Dot("int8", "float32", 0, GROUP)), tokens, prompt_len=16)
+    quant = Int8Dot("int8", "float32", 0, GROUP, OUTLIERS["int8"])
+    got = paged_logits(Transformer(cfg, weights, quant=quant), tokens, prompt_len=16)
     want = paged_logits(Transformer(cfg, dequantized_weights(weights, cfg)), tokens, prompt_len=16)
     assert np.abs(got - want).max() < LOGIT_TOL * max(1.0, np.abs(want).max())
 
@@ -227,7 +277,7 @@ def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path)
         return q8_0_blocks(gguf.quants.quantize(hf[name], Q8_0), hf[name].shape[0])
     q, s = stored("token_embd.weight")  # the embedding [V, D]: blocks along D, as stored
     assert np.array_equal(weights["embed"], q) and np.array_equal(weights["embed.scales"], s)
-    assert np.array_equal(np.asarray(state["embed"][...]), q)
+    assert np.array_equal(np.asarray(state["embed"][...]), q)  # untied: only gathered, kept as stored
     assert np.array_equal(np.asarray(state["embed_scales"][...]), s)
     mlp = state["layers"]["mlp"]
     for layer in range(TINY["layers"]):

@@ -88,6 +88,10 @@ MODEL_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed_scales": ("vocab", "embed"),  # int8 weights' scales lie like their weights (`model.quantization`)
     "lm_head": ("embed", "vocab"),
     "lm_head_scales": ("embed", "vocab"),
+    "embed_outliers": ("vocab", None),  # int8's output layer: the weights of its input channels kept in float
+    "lm_head_outliers": (None, "vocab"),
+    "embed_outlier_channels": (None,),
+    "lm_head_outlier_channels": (None,),
     "attn.qkv": ("embed", "qkv"),
     "attn.qkv_scale": ("embed", "qkv"),
     "attn.out_scale": ("heads", "embed"),

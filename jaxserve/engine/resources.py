@@ -22,7 +22,7 @@ from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root
-from jaxserve.model.quantization import GROUPS, Int8Dot, block_rows
+from jaxserve.model.quantization import GROUPS, OUTLIERS, Int8Dot, block_rows
 from jaxserve.model.transformer import Transformer
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.worker.kv_pool import page_bytes
@@ -125,7 +125,7 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode]), reason
+    return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode]), reason
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:

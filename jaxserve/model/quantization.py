@@ -9,6 +9,11 @@
            (`Int8Dot.block_rows`), each converted while it is in cache; the layers' matrices are
            converted one layer at a time inside the scan (Gemma 3's largest, gate/up, is 2.6M
            weights).
+           The output layer (Gemma 3's tied embedding, 63% of its weights) is laid out apart as
+           the model builds (`with_outliers`): one scale per output channel, applied to the
+           logits rather than to each weight, and its `OUTLIERS` input channels of largest
+           magnitude kept in float32 beside it, which one scale per channel would round too
+           coarsely (docs/quantization.md).
     w8a8   int8 weights with one scale per output channel, and int8 activations quantized per
            token before each dot: an integer dot with int32 accumulation, where the hardware has
            int8 dot instructions (AVX-512 VNNI, AMX-INT8, GPU and TPU int8 units). No weight is
@@ -33,6 +38,7 @@ from jaxserve.model.weights import SCALES, contracted_axis
 
 GROUP = 32  # int8's layer weights per scale along the contracted axis (GGUF's Q8_0 block)
 GROUPS = {"int8": GROUP, "w8a8": None}  # weights per scale of each mode (None: one per output channel)
+OUTLIERS = {"int8": 8, "w8a8": 0}  # input channels of the output layer each mode keeps in float
 TILE_ELEMENTS = 1 << 22  # a block of the output layer converted at a time: 8 MiB in bfloat16, in cache
 
 
@@ -71,6 +77,20 @@ def quantize_matrices(weights: dict, group: int | None) -> dict:
     return out
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def with_outliers(q: jax.Array, scale: jax.Array, axis: int, k: int):
+    """An int8 output layer (any scales) laid out as `Int8Dot.output_layer` reads it: (int8 with
+    one scale per output channel, those scales, the `k` input channels of largest magnitude [k]
+    int32, their float32 weights [V, k] or [k, V]). The int8 values of those channels are 0."""
+    groups = scale.shape[axis]
+    shape = (*q.shape[:axis], groups, q.shape[axis] // groups, *q.shape[axis + 1:])
+    w = (q.reshape(shape).astype(jnp.float32) * jnp.expand_dims(scale.astype(jnp.float32), axis + 1)).reshape(q.shape)
+    channels = jnp.sort(jax.lax.top_k(jnp.max(jnp.abs(w), axis=1 - axis), k)[1]).astype(jnp.int32)
+    is_kept = jnp.zeros(w.shape[axis], bool).at[channels].set(True)
+    rest = jnp.where(jnp.expand_dims(is_kept, 1 - axis), 0.0, w)
+    return (*quantize(rest, axis, None, jnp), channels, jnp.take(w, channels, axis=axis))
+
+
 def dequantize(q, scale, axis: int) -> np.ndarray:
     """The float32 weights an int8 matrix stands for (for tests and references)."""
     q, scale = np.asarray(q, np.float32), np.asarray(scale, np.float32)
@@ -91,14 +111,15 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 class Int8Dot:
     """How a model's dots read int8 weights: `mode` ("int8" or "w8a8"), the dtype int8 weights are
     converted to (the activations' dtype), the weights per scale along the contracted axis
-    (`group`; None: one scale per output channel, as w8a8's integer dots need), and, for the
-    output layer, the rows of a block (0: the whole matrix at once, where XLA fuses the
-    conversion, and under a mesh)."""
+    (`group`; None: one scale per output channel, as w8a8's integer dots need), for the output
+    layer the rows of a block (0: the whole matrix at once, where XLA fuses the conversion, and
+    under a mesh) and its input channels kept in float (`outliers`)."""
 
     mode: str
     compute_dtype: str
     block_rows: int = 0
     group: int | None = GROUP
+    outliers: int = 0
 
     def __post_init__(self):
         if self.mode == "w8a8" and self.group is not None:
@@ -108,33 +129,43 @@ class Int8Dot:
         scales = "one per output channel" if self.group is None else f"one per {self.group} weights of a dot's inputs"
         how = (f"int8, read in {self.compute_dtype}" if self.mode == "int8"
                else "w8a8: int8 activations (one scale a token), int32 sums")
-        blocks = f", the output layer in blocks of {self.block_rows} rows" if self.block_rows else ""
-        return f"{how}, float16 scales {scales}{blocks}"
+        outliers = (f", the output layer one per output channel with its {self.outliers} largest input "
+                    f"channels in float32" if self.outliers else "")
+        blocks = f", in blocks of {self.block_rows} rows" if self.block_rows else ""
+        return f"{how}, float16 scales {scales}{outliers}{blocks}"
 
     def dense(self, x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
         """x [..., K] @ w [K, N] in float32, w = dequantize(q, scale, axis=0)."""
         return self._dot(x, q, scale, 0, (((x.ndim - 1,), (0,)), ((), ())))
 
-    def output_layer(self, x: jax.Array, q: jax.Array, scale: jax.Array, tied: bool) -> jax.Array:
+    def output_layer(self, x: jax.Array, q: jax.Array, scale: jax.Array, tied: bool,
+                     channels: jax.Array | None = None, kept: jax.Array | None = None) -> jax.Array:
         """The logits [R, V] in float32 of x [R, D]: x @ w.T for a tied embedding w [V, D], x @ w
-        for an output layer w [D, V] (w = dequantize(q, scale) along D)."""
+        for an output layer w [D, V] (w = dequantize(q, scale) along D), plus, with `outliers`,
+        the float32 weights `kept` of the input `channels` (`with_outliers`)."""
         vocab, contracted = (0, 1) if tied else (1, 0)
         dims = (((1,), (contracted,)), ((), ()))
+        outliers = None if channels is None else \
+            jax.lax.dot_general(x[:, channels], kept, dims, preferred_element_type=jnp.float32)  # int8 holds 0 there
         n, rows = q.shape[vocab], self.block_rows
         if self.mode == "w8a8" or not rows or rows >= n:
-            return self._dot(x, q, scale, contracted, dims)
+            logits = self._dot(x, q, scale, contracted, dims)
+        else:
+            def block(b):  # one block of the vocabulary, converted while it is in cache
+                part = (jax.lax.dynamic_slice_in_dim(a, b * rows, rows, vocab) for a in (q, scale))
+                return self._dot(x, *part, contracted, dims)
+            out = jax.lax.map(block, jnp.arange(n // rows))  # [blocks, R, rows]
+            logits = out.transpose(1, 0, 2).reshape(x.shape[0], n)
+        return logits if outliers is None else logits + outliers
 
-        def block(b):  # one block of the vocabulary, converted while it is in cache
-            part = (jax.lax.dynamic_slice_in_dim(a, b * rows, rows, vocab) for a in (q, scale))
-            return self._dot(x, *part, contracted, dims)
-        out = jax.lax.map(block, jnp.arange(n // rows))  # [blocks, R, rows]
-        return out.transpose(1, 0, 2).reshape(x.shape[0], n)
-
-    def embedding(self, q: jax.Array, scale: jax.Array, tokens: jax.Array) -> jax.Array:
-        """The float32 rows [T, D] of the tokens in an int8 embedding [V, D]."""
+    def embedding(self, q: jax.Array, scale: jax.Array, tokens: jax.Array,
+                  channels: jax.Array | None = None, kept: jax.Array | None = None) -> jax.Array:
+        """The float32 rows [T, D] of the tokens in an int8 embedding [V, D] (with `outliers`, the
+        float32 weights `kept` [V, k] of its input `channels` in their places)."""
         rows, scales = q[tokens].astype(jnp.float32), scale[tokens].astype(jnp.float32)  # [T, D], [T, G]
         t, d = rows.shape
-        return (rows.reshape(t, scales.shape[1], -1) * scales[..., None]).reshape(t, d)
+        rows = (rows.reshape(t, scales.shape[1], -1) * scales[..., None]).reshape(t, d)
+        return rows if channels is None else rows.at[:, channels].set(kept[tokens])
 
     def _dot(self, x, q, scale, axis: int, dims):
         """x contracted with q along q's `axis` (dims: dot_general's), scaled."""

@@ -27,7 +27,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (MLP, Attention, LayerConstants, RMSNorm, dense, dense_transposed,
                                   rope_frequencies, rope_tables)
 from jaxserve.model.paged_attention import Attend, StepMetadata
-from jaxserve.model.quantization import Int8Dot, quantize_on_device
+from jaxserve.model.quantization import Int8Dot, quantize_on_device, with_outliers
 from jaxserve.model.weights import SCALES, check_weights, contracted_axis
 
 KVPool = tuple  # (k [N, P, M, S, K], v [N, P, M, S, K])
@@ -78,13 +78,19 @@ class Transformer(nnx.Module):
         if quant is None and any(w.dtype == np.int8 for w in weights.values()):
             raise ValueError(f"{source}: int8 weights need quantization='int8' or 'w8a8'")
         stored = jnp.float32 if quant else dtype  # quantized from float32
-        embed, embed_scales = _matrix(weights, "embed", dtype, quant, xp)
-        self.embed = nnx.Param(embed)  # [V, D]
-        self.embed_scales = None if embed_scales is None else nnx.Param(embed_scales)  # [V, D / group]
-        lm_head, lm_head_scales = (None, None) if cfg.tie_embeddings else \
-            _matrix(weights, "lm_head", dtype, quant, xp)
-        self.lm_head = None if lm_head is None else nnx.Param(lm_head)  # [D, V]
-        self.lm_head_scales = None if lm_head_scales is None else nnx.Param(lm_head_scales)  # [D / group, V]
+        param = lambda a: None if a is None else nnx.Param(a)  # noqa: E731
+        embed, embed_scales, embed_channels, embed_outliers = map(
+            param, _matrix(weights, "embed", dtype, quant, xp, output_layer=cfg.tie_embeddings))
+        self.embed = embed  # [V, D]
+        self.embed_scales = embed_scales  # [V, D / group]
+        self.embed_outlier_channels = embed_channels  # [k] int8's output layer: input channels kept in float
+        self.embed_outliers = embed_outliers  # [V, k] their float32 weights
+        lm_head, lm_head_scales, lm_head_channels, lm_head_outliers = map(param, (None,) * 4 if cfg.tie_embeddings
+                                                                          else _matrix(weights, "lm_head", dtype, quant, xp))
+        self.lm_head = lm_head  # [D, V]
+        self.lm_head_scales = lm_head_scales  # [D / group, V]
+        self.lm_head_outlier_channels = lm_head_channels  # [k]
+        self.lm_head_outliers = lm_head_outliers  # [k, V]
         self.final_norm = RMSNorm(put(xp.asarray(weights["final_norm"], jnp.float32)), cfg.rms_norm_eps)
         per_layer = [_layer_weights(cfg, weights, i, stored, xp) for i in range(cfg.num_layers)]
         stacked = {name: xp.stack([w[name] for w in per_layer]) for name in per_layer[0]}
@@ -103,8 +109,8 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, rows=None):
         """The layers: tokens [T] int32 -> (final hidden states [R or T, D] float32 of the tokens
         `rows` [R] (None: all), new kv_pool)."""
-        x = self.embed[...][tokens].astype(jnp.float32) if self.quant is None else \
-            self.quant.embedding(self.embed[...], self.embed_scales[...], tokens)  # [T, D]
+        x = self.embed[...][tokens].astype(jnp.float32) if self.quant is None else self.quant.embedding(
+            *_values(self.embed, self.embed_scales), tokens, *_values(self.embed_outlier_channels, self.embed_outliers))
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         graphdef, stacked = nnx.split(self.layers)
@@ -124,8 +130,10 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         if self.quant is not None:
             tied = self.lm_head is None
-            weights, scales = (self.embed, self.embed_scales) if tied else (self.lm_head, self.lm_head_scales)
-            logits = self.quant.output_layer(x, weights[...], scales[...], tied)
+            params = ((self.embed, self.embed_scales, self.embed_outlier_channels, self.embed_outliers) if tied else
+                      (self.lm_head, self.lm_head_scales, self.lm_head_outlier_channels, self.lm_head_outliers))
+            weights, scales, *outliers = _values(*params)
+            logits = self.quant.output_layer(x, weights, scales, tied, *outliers)
         elif self.lm_head is None:
             logits = dense_transposed(x, self.embed[...])
         else:
@@ -136,18 +144,25 @@ class Transformer(nnx.Module):
         return logits
 
 
-def _matrix(weights: Mapping, name: str, dtype, quant: Int8Dot | None, xp):
-    """(matrix, None) in `dtype` on the device; with `quant`, (int8 matrix, its scales), as the
-    loader gave them or quantized here."""
+def _matrix(weights: Mapping, name: str, dtype, quant: Int8Dot | None, xp, output_layer: bool = True):
+    """(matrix, scales, outlier channels, their weights) on the device: (matrix in `dtype`, None,
+    None, None); with `quant`, the int8 matrix and its scales as the loader gave them or quantized
+    here, and for the output layer of a mode with `outliers`, laid out again by `with_outliers`."""
     w, axis = weights[name], contracted_axis(name)
     if quant is None:
-        return jax.device_put(xp.asarray(w, dtype)), None
+        return jax.device_put(xp.asarray(w, dtype)), None, None, None
     if w.dtype == np.int8:
         q, scales = (jax.device_put(xp.asarray(a)) for a in (w, weights[name + SCALES]))
-    else:
+    else:  # as the loader quantizes, so that a model built here equals one loaded quantized
         q, scales = quantize_on_device(jax.device_put(xp.asarray(w, jnp.float32)), axis, quant.group)
     _check_group(q.shape[axis], scales.shape[axis], quant, name)
-    return q, scales
+    if quant.outliers and output_layer:
+        return with_outliers(q, scales, axis, quant.outliers)
+    return q, scales, None, None
+
+
+def _values(*params):
+    return tuple(None if p is None else p[...] for p in params)
 
 
 def _check_group(size: int, groups: int, quant: Int8Dot, name: str) -> None:
