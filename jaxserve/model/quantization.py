@@ -82,21 +82,20 @@ def with_outliers(q: jax.Array, scale: jax.Array, axis: int, k: int):
     """An int8 output layer (any scales) laid out as `Int8Dot.output_layer` reads it: (int8 with
     one scale per output channel, those scales, the `k` input channels of largest magnitude [k]
     int32, their float32 weights [V, k] or [k, V]). The int8 values of those channels are 0."""
-    groups = scale.shape[axis]
-    shape = (*q.shape[:axis], groups, q.shape[axis] // groups, *q.shape[axis + 1:])
-    w = (q.reshape(shape).astype(jnp.float32) * jnp.expand_dims(scale.astype(jnp.float32), axis + 1)).reshape(q.shape)
+    w = dequantize(q, scale, axis, jnp)
     channels = jnp.sort(jax.lax.top_k(jnp.max(jnp.abs(w), axis=1 - axis), k)[1]).astype(jnp.int32)
     is_kept = jnp.zeros(w.shape[axis], bool).at[channels].set(True)
     rest = jnp.where(jnp.expand_dims(is_kept, 1 - axis), 0.0, w)
     return (*quantize(rest, axis, None, jnp), channels, jnp.take(w, channels, axis=axis))
 
 
-def dequantize(q, scale, axis: int) -> np.ndarray:
-    """The float32 weights an int8 matrix stands for (for tests and references)."""
-    q, scale = np.asarray(q, np.float32), np.asarray(scale, np.float32)
+def dequantize(q, scale, axis: int, xp=np):
+    """The float32 weights an int8 matrix stands for: numpy for tests and references, jax.numpy
+    inside programs."""
+    q, scale = xp.asarray(q, np.float32), xp.asarray(scale, np.float32)
     groups = scale.shape[axis]
     shape = (*q.shape[:axis], groups, q.shape[axis] // groups, *q.shape[axis + 1:])
-    return (q.reshape(shape) * np.expand_dims(scale, axis + 1)).reshape(q.shape)
+    return (q.reshape(shape) * xp.expand_dims(scale, axis + 1)).reshape(q.shape)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -179,10 +178,7 @@ class Int8Dot:
         if per_channel:
             w = q.astype(dtype)
         else:  # each group of weights along the contracted axis times its scale
-            groups = scale.shape[axis]
-            shape = (*q.shape[:axis], groups, q.shape[axis] // groups, *q.shape[axis + 1:])
-            w = (q.reshape(shape).astype(jnp.float32)
-                 * jnp.expand_dims(scale.astype(jnp.float32), axis + 1)).reshape(q.shape).astype(dtype)
+            w = dequantize(q, scale, axis, jnp).astype(dtype)
         out = jax.lax.dot_general(x.astype(dtype), w, dims, preferred_element_type=jnp.float32)
         return out if out_scale is None else out * out_scale
 
