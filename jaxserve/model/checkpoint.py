@@ -50,7 +50,8 @@ def save_checkpoint(path: str, cfg: ModelConfig, weights: Mapping[str, np.ndarra
             json.dump({"model_config": dataclasses.asdict(cfg)}, f)
         if safetensors:
             from safetensors.numpy import save_file
-            save_file({name: np.asarray(w) for name, w in weights.items()}, os.path.join(tmp, WEIGHTS_FILE))
+            # contiguous: save_file writes an array's buffer as it lies (a transposed view came back permuted)
+            save_file({name: np.ascontiguousarray(w) for name, w in weights.items()}, os.path.join(tmp, WEIGHTS_FILE))
         else:
             import orbax.checkpoint as ocp
             with ocp.StandardCheckpointer() as checkpointer:
