@@ -27,31 +27,24 @@ import pydoc_data.topics
 from flax import nnx
 
 from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.engine.resources import resolve_quantization
 from jaxserve.model.default_model import default_model_path
-from jaxserve.model.kv_groups import kv_groups
-from jaxserve.model.loader import load_model
-from jaxserve.model.quantization import GROUP, GROUPS, OUTLIERS, Int8Dot, block_rows, dequantize, quantize, with_outliers
+from jaxserve.model.loader import cache_root, load_model
+from jaxserve.model.quantization import GROUP, OUTLIERS, dequantize, quantize, with_outliers
 from jaxserve.model.transformer import Transformer
-from jaxserve.pallas_kernels.backend import attention_fn
-from jaxserve.worker.kv_pool import allocate_kv_pool
-from jaxserve.worker.step_batch import ScheduledSeq, StepBuckets, StepSeqs, build_step, table_metadata
+from jaxserve.model.weights import SCALES
+from jaxserve.worker.calibration import INPUTS, prefill_hidden, rounded_layers
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of", "The largest planet in the solar system",
            "To make a cup of tea, first", "In 1492, Columbus", "The opposite of hot is", "SELECT name FROM users WHERE"]
-NEAR_TIE, TOKENS, PAGE, ROWS = 0.1, 32, 16, 256
+NEAR_TIE, TOKENS, ROWS = 0.1, 32, 256
 
 
 def text_scores(model: Transformer, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(log-probability of each next token [n - 1], top-1 token at each position [n - 1])."""
-    n, groups = len(ids), kv_groups(model.cfg).num_groups
-    width = -(-n // PAGE)
-    tables = 1 + np.arange(groups * width, dtype=np.int32).reshape(1, groups, width)
-    step = build_step(StepSeqs.of([ScheduledSeq(0, 0, ids)]), 1, PAGE, StepBuckets(max_tokens=n, max_seqs=1))
-    meta = table_metadata(step.meta, tables, step.seq_slots, step.token_seq_slots, PAGE)
-    pool = allocate_kv_pool(model.cfg, 1 + groups * width, PAGE, jnp.float32)
-    hidden, _ = nnx.jit(lambda m, t, p, meta: m.hidden_states(t, p, meta, attend=attention_fn("reference")))(
-        model, jnp.asarray(step.tokens), pool, meta)
+    n = len(ids)
+    hidden = prefill_hidden(model, ids)
     score = nnx.jit(lambda m, h, nxt: (jnp.take_along_axis(jax.nn.log_softmax(m.logits(h)), nxt[:, None], 1)[:, 0],
                                        jnp.argmax(m.logits(h), axis=-1)))
     logp, top = [], []
@@ -116,6 +109,19 @@ def output_layer_error(path: str) -> tuple[str, float, float]:
     return tensor.tensor_type.name, float(np.sqrt((err.astype(np.float64) ** 2).sum() / (stored.astype(np.float64) ** 2).sum())), float(steps.max())
 
 
+def layer_errors(cfg, weights: dict, rounded: dict) -> tuple[float, float]:
+    """Relative RMS error of the layers' int8 matrices against the float `weights` (a GGUF's: the
+    values it stores): (GPTQ's, as `rounded` holds them; rounding to the nearest, one scale per
+    output channel). GPTQ trades a larger weight error for a smaller one in the layers' outputs."""
+    totals = np.zeros(3)
+    for name in (f"layers.{i}.{m}" for i in range(cfg.num_layers) for kind in INPUTS for m in kind):
+        stored = np.asarray(weights[name], np.float64)
+        gptq = dequantize(rounded[name], rounded[name + SCALES], 0) - stored
+        nearest = dequantize(*quantize(stored, 0, None), 0) - stored
+        totals += [(gptq ** 2).sum(), (nearest ** 2).sum(), (stored ** 2).sum()]
+    return float(np.sqrt(totals[0] / totals[2])), float(np.sqrt(totals[1] / totals[2]))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: Gemma 3 270M)")
@@ -135,15 +141,20 @@ def main(argv=None) -> None:
               f"| 1 | {rms:.2e} | {worst:.2f} |")
     cfg, weights, tokenizer, name = load_model(args.model)
     ids = tokenizer.encode(pydoc_data.topics.topics["execmodel"])[:args.tokens]
+    print(f"{name}; int8: {resolve_quantization(EngineConfig(dtype=args.dtype, quantization='int8'), cfg, None)[0].describe()}")
     print(f"{name}; text: the first {len(ids)} tokens of the Python Language Reference's 'Execution model'")
     modes = [None] + args.modes.split(",")
     scores, tokens = {}, {}
     for mode in modes:
-        quant = None if mode is None else Int8Dot(mode, args.dtype, block_rows(cfg.vocab_size, cfg.hidden_size),
-                                                   GROUPS[mode], OUTLIERS[mode])
-        scores[mode] = text_scores(Transformer(cfg, weights, jnp.dtype(args.dtype), quant=quant), ids)
-        engine = Engine(cfg, weights, tokenizer, EngineConfig(dtype=args.dtype, quantization=mode, max_slots=16,
-                                                              max_model_len=256, num_pages=1024), model_name=name)
+        config = EngineConfig(dtype=args.dtype, quantization=mode, max_slots=16, max_model_len=256, num_pages=1024)
+        quant = resolve_quantization(config, cfg, None)[0]  # the engine's dots on this machine
+        model_weights = weights
+        if mode == "int8":  # as the engine rounds them
+            model_weights = rounded_layers(cfg, weights, tokenizer, cache_root())
+            print("int8's layers, relative RMS error against the stored values: GPTQ %.2e, "
+                  "rounded to the nearest %.2e" % layer_errors(cfg, weights, model_weights))
+        scores[mode] = text_scores(Transformer(cfg, model_weights, jnp.dtype(args.dtype), quant=quant), ids)
+        engine = Engine(cfg, weights, tokenizer, config, model_name=name)
         tokens[mode] = greedy(engine)
         del engine
     ref_logp, ref_top = scores[None]

@@ -16,8 +16,10 @@ import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.model import quantization
-from jaxserve.model.loader import load_model
-from jaxserve.model.quantization import GROUP, OUTLIERS, Int8Dot, dequantize, quantize, with_outliers
+from jaxserve.model.loader import CACHE_FORMAT, load_model
+from jaxserve.model.quantization import GROUP, GROUPS, INTEGER_ROWS, OUTLIERS, Int8Dot, dequantize, quantize, split_rows, with_outliers
+from jaxserve.model.weights import SCALES
+from jaxserve.worker.calibration import rounded_layers
 from jaxserve.model.transformer import Transformer
 from model_helpers import paged_logits
 
@@ -67,29 +69,50 @@ def test_the_output_layer_keeps_its_largest_input_channels_in_float_and_the_rest
     assert np.all(np.abs(outlier_weights(*layout, axis) - source) <= step / 2 * (1 + 1e-6))
 
 
-def reference_dot(x, q, s, axis: int, w8a8: bool) -> np.ndarray:
+def reference_dot(x, q, s, axis: int, w8a8: bool, split: bool = False) -> np.ndarray:
     """float64 numpy: x @ w (axis 0: q [K, N]) or x @ w.T (axis 1: q [N, K]); with w8a8, x
-    rounded to int8 per row first, as the engine does."""
+    rounded to int8 per row first, as the engine does; with `split`, to 15 bits per row."""
     x = np.asarray(x, np.float64)
-    if w8a8:
-        xs = np.abs(x).max(axis=1, keepdims=True) / 127
-        x = np.clip(np.round(x / xs), -127, 127) * xs
+    if w8a8 or split:
+        levels = 127 * 128 if split else 127
+        xs = np.abs(x).max(axis=1, keepdims=True) / levels
+        x = np.clip(np.round(x / xs), -levels, levels) * xs
     w = np.asarray(dequantize(q, s, axis), np.float64)
     return x @ (w if axis == 0 else w.T)
 
 
-@pytest.mark.parametrize("mode,group", [("int8", GROUP), ("int8", None), ("w8a8", None)])
-def test_the_dots_equal_a_float64_reference_of_the_same_int8_weights(mode, group):
+def test_split_rows_are_each_rows_15_bit_rounding_as_two_int8_rows():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((3, 200)) * np.exp(rng.standard_normal((3, 1)) * 3)).astype(np.float32)
+    x[1, 7] = 0
+    q, scale = (np.asarray(a) for a in split_rows(jnp.asarray(x)))
+    assert q.dtype == np.int8 and q.shape == (6, 200) and scale.shape == (3, 1)
+    high, low = q[:3].astype(np.int64), q[3:].astype(np.int64)
+    assert np.abs(high).max() == 127 and np.abs(low).max() <= 64
+    value = 128 * high + low
+    assert np.abs(value).max() == 127 * 128 and not value[1, 7]
+    assert np.abs(value - x / scale).max() <= 0.5 + 1e-3  # the nearest step (up to float32's division)
+
+
+@pytest.mark.parametrize("mode,group,integer", [("int8", GROUP, False), ("int8", None, False), ("int8", None, True),
+                                                ("w8a8", None, False)])
+def test_the_dots_equal_a_float64_reference_of_the_same_int8_weights(mode, group, integer):
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x = rng.standard_normal((INTEGER_ROWS, 64)).astype(np.float32)  # integer dots up to INTEGER_ROWS rows
     w = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
     q, s = quantize(w, 0, group)
     tied_q, tied_s = quantize(w.T, 1, group)  # [V, D] as a tied embedding
     for rows in (0, 64):  # the whole output layer at once, and in 4 blocks
-        dot = Int8Dot(mode, "float32", rows, group)
-        cases = [(dot.dense(x, q, s), reference_dot(x, q, s, 0, mode == "w8a8")),
-                 (dot.output_layer(x, q, s, tied=False), reference_dot(x, q, s, 0, mode == "w8a8")),
-                 (dot.output_layer(x, tied_q, tied_s, tied=True), reference_dot(x, tied_q, tied_s, 1, mode == "w8a8"))]
+        dot = Int8Dot(mode, "float32", rows, group, 0, INTEGER_ROWS if integer else 0)
+        cases = [(dot.dense(x, q, s), reference_dot(x, q, s, 0, mode == "w8a8", integer)),
+                 (dot.dense(x[None], q, s)[0], reference_dot(x, q, s, 0, mode == "w8a8", integer)),  # [1, R, K]
+                 (dot.output_layer(x, q, s, tied=False), reference_dot(x, q, s, 0, mode == "w8a8", integer)),
+                 (dot.output_layer(x, tied_q, tied_s, tied=True),
+                  reference_dot(x, tied_q, tied_s, 1, mode == "w8a8", integer))]
+        if integer:  # more rows: converted dots, the activations as they are
+            more = rng.standard_normal((INTEGER_ROWS + 3, 64)).astype(np.float32)
+            cases += [(dot.dense(more, q, s), reference_dot(more, q, s, 0, False)),
+                      (dot.output_layer(more, tied_q, tied_s, tied=True), reference_dot(more, tied_q, tied_s, 1, False))]
         for got, want in cases:
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     rows = Int8Dot(mode, "float32", 0, group).embedding(tied_q, tied_s, jnp.array([3, 0, 255]))
@@ -121,12 +144,16 @@ def test_w8a8_takes_one_scale_per_output_channel():
 
 
 def dequantized_weights(weights: dict, cfg) -> dict:
-    """The float weights int8 ones stand for: each matrix through quantize and back, along its
-    contracted axis, as the model quantizes them (fusing q/k/v and gate/up only reorders columns),
-    and the output layer laid out again with its largest input channels in float."""
-    out = dict(weights)
-    for name, w in weights.items():
-        if name.split(".")[-1] in MATRICES or name == "lm_head":
+    """The float weights int8 ones stand for: each layer matrix int8 already (`rounded_layers`)
+    dequantized, or float through quantize and back, one scale per output channel, as the model
+    quantizes it (fusing q/k/v and gate/up only reorders columns); the embedding per 32, and the
+    output layer laid out again with its largest input channels in float."""
+    out = {name: w for name, w in weights.items() if not name.endswith(SCALES)}
+    for name, w in out.items():
+        if name.split(".")[-1] in MATRICES:
+            out[name] = dequantize(w, weights[name + SCALES], 0) if w.dtype == np.int8 else \
+                dequantize(*quantize(w, 0, GROUPS["int8"]), 0)
+        elif name == "lm_head":
             out[name] = dequantize(*quantize(w, 0, GROUP), 0)
     out["embed"] = dequantize(*quantize(weights["embed"], 1, GROUP), 1)
     name, axis = ("embed", 1) if cfg.tie_embeddings else ("lm_head", 0)
@@ -144,7 +171,7 @@ def models(checkpoints):
 def test_int8_logits_equal_the_float_model_on_the_weights_they_stand_for(models, kind):
     cfg, weights, _ = models[kind]
     tokens = np.arange(3, 23, dtype=np.int32)
-    quant = Int8Dot("int8", "float32", 0, GROUP, OUTLIERS["int8"])
+    quant = Int8Dot("int8", "float32", 0, GROUPS["int8"], OUTLIERS["int8"])
     got = paged_logits(Transformer(cfg, weights, quant=quant), tokens, prompt_len=16)
     want = paged_logits(Transformer(cfg, dequantized_weights(weights, cfg)), tokens, prompt_len=16)
     assert np.abs(got - want).max() < LOGIT_TOL * max(1.0, np.abs(want).max())
@@ -167,8 +194,9 @@ def test_an_int8_engine_decodes_the_float_engines_greedy_tokens_on_the_weights_t
     config = EngineConfig(dtype="float32", max_slots=4, page_size=8, num_pages=96, max_model_len=128)
     prompts = [[5, 17, 40, 9], list(range(3, 30)), [7] * 11]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    got = Engine(cfg, weights, tokenizer, config.replace(quantization="int8")).generate(prompts, greedy)
-    want = Engine(cfg, dequantized_weights(weights, cfg), tokenizer, config).generate(prompts, greedy)
+    int8 = rounded_layers(cfg, weights, tokenizer)  # as the engine rounds them
+    got = Engine(cfg, int8, tokenizer, config.replace(quantization="int8")).generate(prompts, greedy)
+    want = Engine(cfg, dequantized_weights(int8, cfg), tokenizer, config).generate(prompts, greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
@@ -242,7 +270,9 @@ def test_describe_says_what_is_quantized_and_the_bytes_held(models):
     int8 = Engine(cfg, weights, tokenizer, config.replace(quantization="int8"))
     line = int8.describe().splitlines()[2]
     assert "not quantized (the default)" in plain
-    assert "int8, read in float32, float16 scales one per 32 weights of a dot's inputs" in line
+    how = ("integer dots of the activations in two int8 rows (15 bits)" if int8.runner.quant.integer_rows
+           else "int8, read in float32")  # where the CPU has int8 dot instructions
+    assert how in line and "float16 scales one per output channel, the layers rounded by GPTQ" in line
     assert "(asked for)" in line
     held = sum(x.nbytes for x in jax.tree.leaves(int8.runner.states))
     assert f"{held / 2**30:.2f} GiB" in line
@@ -259,9 +289,10 @@ def q8_0_blocks(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path):
-    """A Q8_0 block is 32 weights along a dot's inputs with a float16 scale: int8's own layout, so
-    the loader takes the values and scales gguf wrote as they are, even for a bfloat16 engine
-    (through bfloat16 weights they would not come back)."""
+    """A Q8_0 block is 32 weights along a dot's inputs with a float16 scale: int8's stored layout,
+    so the loader takes the values and scales gguf wrote as they are, even for a bfloat16 engine
+    (through bfloat16 weights they would not come back); the engine keeps the embedding so, and
+    rounds the layers again per output channel from exactly those values."""
     import gguf
     from test_gguf_loader import TINY, hf_tiny_weights, write_tiny_gguf
     path = str(tmp_path / "tiny.gguf")
@@ -279,14 +310,18 @@ def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path)
     assert np.array_equal(weights["embed"], q) and np.array_equal(weights["embed.scales"], s)
     assert np.array_equal(np.asarray(state["embed"][...]), q)  # untied: only gathered, kept as stored
     assert np.array_equal(np.asarray(state["embed_scales"][...]), s)
+    rounded = rounded_layers(cfg, weights, tokenizer)
     mlp = state["layers"]["mlp"]
     for layer in range(TINY["layers"]):
         q, s = stored(f"blk.{layer}.ffn_down.weight")  # [D, F] -> down [F, D], blocks along F
-        assert np.array_equal(np.asarray(mlp["down"][...][layer]), q.T)
-        assert np.array_equal(np.asarray(mlp["down_scale"][...][layer]), s.T)
+        name = f"layers.{layer}.down_proj"  # the stored values, for the engine to round per channel
+        assert np.array_equal(weights[name], dequantize(q, s, 1).T) and name + SCALES not in weights
+        assert np.array_equal(np.asarray(mlp["down"][...][layer]), rounded[name])
+        assert np.array_equal(np.asarray(mlp["down_scale"][...][layer]), rounded[name + SCALES])
         q, s = stored(f"blk.{layer}.ffn_gate.weight")  # gate: the even columns of gate/up
-        assert np.array_equal(np.asarray(mlp["gate_up"][...][layer][:, 0::2]), q.T)
-        assert np.array_equal(np.asarray(mlp["gate_up_scale"][...][layer][:, 0::2]), s.T)
+        name = f"layers.{layer}.gate_proj"
+        assert np.array_equal(weights[name], dequantize(q, s, 1).T) and name + SCALES not in weights
+        assert np.array_equal(np.asarray(mlp["gate_up"][...][layer][:, 0::2]), rounded[name])
     with pytest.raises(ValueError, match="one scale per 32 weights, but quantization='w8a8' reads one per"):
         Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="w8a8", num_pages=64,
                                                      max_model_len=128))
@@ -302,9 +337,9 @@ def test_a_float_checkpoint_is_quantized_once_and_kept_in_the_cache(checkpoints,
     cfg, floats, _, _ = load_model(str(source))
     _, weights, tokenizer, _ = load_model(str(source), quantization="int8")
     kept = lambda: sorted(f for f in os.listdir(tmp_path / "cache") if f.startswith("qwen3-"))  # noqa: E731
-    assert len(kept()) == 1 and kept()[0].endswith("-int8-3")
-    q, s = quantize(floats["layers.1.gate_proj"], 0, GROUP)
-    assert np.array_equal(weights["layers.1.gate_proj"], q) and np.array_equal(weights["layers.1.gate_proj.scales"], s)
+    assert len(kept()) == 1 and kept()[0].endswith(f"-int8-{CACHE_FORMAT}")
+    assert np.array_equal(weights["layers.1.gate_proj"], floats["layers.1.gate_proj"])  # the engine rounds the layers
+    assert "layers.1.gate_proj.scales" not in weights
     q, s = quantize(floats["embed"], 1, GROUP)
     assert np.array_equal(weights["embed"], q) and np.array_equal(weights["embed.scales"], s)
     _, again, _, _ = load_model(str(source), quantization="int8")
@@ -322,7 +357,7 @@ def test_a_float_checkpoint_is_quantized_once_and_kept_in_the_cache(checkpoints,
 
 def test_loaded_int8_weights_are_checked_against_their_scales(models):
     cfg, weights, _ = models["llama"]
-    quantized = quantization.quantize_matrices(weights, GROUP)
+    quantized = quantization.quantize_matrices(weights, "w8a8")  # every matrix int8
     with pytest.raises(ValueError, match="int8 matrix 'layers.0.q_proj' without its scales"):
         Transformer(cfg, {k: v for k, v in quantized.items() if k != "layers.0.q_proj.scales"},
                     quant=Int8Dot("int8", "float32", 0, GROUP))

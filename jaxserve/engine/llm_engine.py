@@ -53,7 +53,8 @@ class Engine:
         drafts = config.speculative is not None and config.speculative.method == "draft_model" and drafter is None
         draft = DraftModel.read(config, model_config) if drafts else None  # before the pool, which counts it
         if runner is None:
-            runner, self.reasons = build_runner(config, model_config, weights, self.backend, draft and draft[0])
+            runner, self.reasons = build_runner(config, model_config, weights, self.backend, draft and draft[0],
+                                                tokenizer)
         else:
             self.reasons = INHERITED
         self.runner = runner

@@ -22,12 +22,13 @@ from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root
-from jaxserve.model.quantization import GROUPS, OUTLIERS, Int8Dot, block_rows
+from jaxserve.model.quantization import GROUPS, INTEGER_ROWS, OUTLIERS, Int8Dot, block_rows
 from jaxserve.model.transformer import Transformer
+from jaxserve.worker.calibration import rounded_layers
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.worker.kv_pool import page_bytes
 from jaxserve.worker.machine import (INT8_FLAGS, auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions,
-                                     int8_dot_instructions)
+                                     int8_dot_instructions, integer_int8_dots)
 from jaxserve.worker.quantization_plan import auto_quantization
 from jaxserve.worker.runner import Runner, RunnerConfig
 from jaxserve.worker.step_batch import StepBuckets
@@ -49,13 +50,15 @@ INHERITED = Reasons(*["the engine it was made from"] * 4)  # an engine over anot
 
 
 def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backend: str,
-                 draft: ModelConfig | None = None) -> tuple[Runner, Reasons]:
+                 draft: ModelConfig | None = None, tokenizer=None) -> tuple[Runner, Reasons]:
     """The model on the device, then a KV pool in the memory it leaves, and their runner; with
     why the pool has its size, max_model_len its value, and the weights their dtype. `draft`: a
     draft model whose pool will have as many pages (`jaxserve.engine.draft_model`): the budget
-    holds both."""
+    holds both. `tokenizer`: the model's, for int8's calibration text."""
     mesh = make_mesh(config.mesh) if config.mesh else None
     quant, quant_reason = resolve_quantization(config, model_config, mesh)
+    if quant is not None and quant.mode == "int8":  # its layers one scale per output channel, rounded by GPTQ
+        weights = rounded_layers(model_config, weights, tokenizer, cache_root())
     model = Transformer(model_config, weights, jnp.dtype(config.weights_dtype), quant=quant)  # on the device now
     kv_bytes, reason = ((config.kv_cache_bytes, "asked for") if config.kv_cache_bytes
                         else auto_kv_cache_bytes(config.gpu_memory_utilization))
@@ -125,7 +128,8 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode]), reason
+    integer_rows = INTEGER_ROWS if mode == "int8" and integer_int8_dots() else 0
+    return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows), reason
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:

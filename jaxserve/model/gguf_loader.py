@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxserve.model.config import ModelConfig, RopeScaling
-from jaxserve.model.quantization import GROUPS, quantize_matrices
+from jaxserve.model.quantization import STORED, quantize_matrices, stored_int8
 from jaxserve.model.weights import SCALES, check_weights
 
 SUPPORTED_ARCHITECTURES = ("gemma3", "llama")
@@ -522,7 +522,7 @@ def load_gguf(path: str | os.PathLike, dtype="float32", quantization: str | None
 
     path = os.fspath(path)
     out_dtype = _target_dtype(dtype)
-    group = GROUPS[quantization] if quantization else None
+    group = STORED[quantization] if quantization else None
     f = open_gguf(path)
     meta = f.metadata
     shapes = {name: t.dims for name, t in f.tensors.items()}
@@ -540,6 +540,8 @@ def load_gguf(path: str | os.PathLike, dtype="float32", quantization: str | None
     def matrix(name: str, canon: str, **layout):
         if not quantization:
             return {canon: read_tensor(f, name, out_dtype, **layout)}
+        if not stored_int8(canon, quantization):
+            return {canon: read_tensor(f, name, "float32", **layout)}  # int8's layers: rounded by the engine
         if group == 32 and f.tensors[name].qtype == gguf.GGMLQuantizationType.Q8_0:
             values, scales = read_q8_0(f, name, **layout)
             return {canon: values, canon + SCALES: scales}
@@ -579,6 +581,6 @@ def load_gguf(path: str | os.PathLike, dtype="float32", quantization: str | None
         raise ValueError(f"{path}: unexpected tensor(s) for architecture {cfg.family!r}: "
                          f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     if quantization:
-        weights = quantize_matrices(weights, group)
+        weights = quantize_matrices(weights, quantization)
     check_weights(cfg, weights, path)
     return cfg, weights

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.model.checkpoint import as_dtype, is_checkpoint, load_config, restore_checkpoint, save_checkpoint
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.quantization import GROUPS, quantize_matrices
+from jaxserve.model.quantization import quantize_matrices
 from jaxserve.tokenizer import Tokenizer
 
 # Gemma 3's turn format, for a Gemma 3 whose files carry no template (the default model's GGUF).
@@ -31,7 +31,7 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-CACHE_FORMAT = 3  # of a converted GGUF's checkpoint; a new format converts the GGUF again
+CACHE_FORMAT = 4  # of a converted GGUF's checkpoint; a new format converts the GGUF again
 
 
 def cache_root() -> str:
@@ -44,7 +44,9 @@ def load_model(path: str | None, dtype: str = "float32", sharding_for=None, quan
     gives `restore_checkpoint` its per-weight shardings for jaxserve checkpoints (jax.Arrays then).
     With `quantization` ("int8", "w8a8"), a GGUF's or Hugging Face checkpoint's matrices come as
     int8 beside their scales (`jaxserve.model.weights`); a jaxserve checkpoint's stay float (the
-    model quantizes them as it builds)."""
+    model quantizes them as it builds). The float weights of a quantized model come as float32,
+    the values the engine rounds int8's layers from (`jaxserve.worker.calibration`)."""
+    dtype = "float32" if quantization else dtype
     if path is None:
         from jaxserve.model.default_model import NAME, default_model_path, default_model_version
         version = default_model_version()
@@ -86,7 +88,7 @@ def _load_quantized_cached(cache: str, dtype: str, quantization: str, load_float
     if is_checkpoint(cache):
         return restore_checkpoint(cache, dtype)
     cfg, weights = load_float()
-    weights = quantize_matrices(weights, GROUPS[quantization])
+    weights = quantize_matrices(weights, quantization)
     _save(cache, cfg, weights, {})
     return cfg, as_dtype(weights, dtype)
 

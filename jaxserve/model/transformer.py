@@ -27,7 +27,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (MLP, Attention, LayerConstants, RMSNorm, dense, dense_transposed,
                                   rope_frequencies, rope_tables)
 from jaxserve.model.paged_attention import Attend, StepMetadata
-from jaxserve.model.quantization import Int8Dot, quantize_on_device, with_outliers
+from jaxserve.model.quantization import STORED, Int8Dot, quantize_on_device, with_outliers
 from jaxserve.model.weights import SCALES, check_weights, contracted_axis
 
 KVPool = tuple  # (k [N, P, M, S, K], v [N, P, M, S, K])
@@ -97,7 +97,7 @@ class Transformer(nnx.Module):
         for name in MATRICES if quant else ():  # [L, in, out], contracted along `in`
             if name + "_scale" not in stacked:  # not quantized by the loader
                 stacked[name], stacked[name + "_scale"] = quantize_on_device(put(stacked[name]), 1, quant.group)
-            _check_group(stacked[name].shape[1], stacked[name + "_scale"].shape[1], quant, name)
+            _check_group(stacked[name].shape[1], stacked[name + "_scale"].shape[1], quant.group, quant, name)
         self.layers = DecoderLayer(cfg, {name: put(as_bits(w)) for name, w in stacked.items()}, quant)
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):
@@ -151,11 +151,12 @@ def _matrix(weights: Mapping, name: str, dtype, quant: Int8Dot | None, xp, outpu
     w, axis = weights[name], contracted_axis(name)
     if quant is None:
         return jax.device_put(xp.asarray(w, dtype)), None, None, None
+    group = STORED[quant.mode]  # as the loader quantizes, so that a model built here equals one loaded quantized
     if w.dtype == np.int8:
         q, scales = (jax.device_put(xp.asarray(a)) for a in (w, weights[name + SCALES]))
-    else:  # as the loader quantizes, so that a model built here equals one loaded quantized
-        q, scales = quantize_on_device(jax.device_put(xp.asarray(w, jnp.float32)), axis, quant.group)
-    _check_group(q.shape[axis], scales.shape[axis], quant, name)
+    else:
+        q, scales = quantize_on_device(jax.device_put(xp.asarray(w, jnp.float32)), axis, group)
+    _check_group(q.shape[axis], scales.shape[axis], group, quant, name)
     if quant.outliers and output_layer:
         return with_outliers(q, scales, axis, quant.outliers)
     return q, scales, None, None
@@ -165,9 +166,10 @@ def _values(*params):
     return tuple(None if p is None else p[...] for p in params)
 
 
-def _check_group(size: int, groups: int, quant: Int8Dot, name: str) -> None:
-    """Loaded int8 weights have the scales `quant` reads (Q8_0's blocks are int8's, not w8a8's)."""
-    group = quant.group if quant.group and size % quant.group == 0 else size
+def _check_group(size: int, groups: int, group: int | None, quant: Int8Dot, name: str) -> None:
+    """Loaded int8 weights have the scales `quant` reads: one per `group` weights (None: per
+    output channel). int8's layers are rounded per channel by the engine (`jaxserve.worker.calibration`)."""
+    group = group if group and size % group == 0 else size
     if groups * group != size:
         raise ValueError(f"{name}: int8 weights with one scale per {size // groups} weights, but "
                          f"quantization={quant.mode!r} reads one per {group}")

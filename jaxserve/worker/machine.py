@@ -50,6 +50,12 @@ def int8_dot_instructions() -> list[str]:
     return sorted(INT8_FLAGS & cpu_flags())
 
 
+def integer_int8_dots() -> bool:
+    """int8's dots as integer dots (`Int8Dot.integer_rows`): on a CPU with int8 dot instructions, where
+    XLA converts a whole int8 operand before a float dot; XLA:GPU and TPU fuse that conversion."""
+    return jax.default_backend() == "cpu" and bool(int8_dot_instructions())
+
+
 def auto_async_scheduling() -> bool:
     """Overlap the host's scheduling with the device's step on accelerators; on a CPU the host
     thread takes a core from XLA (2 cores: steps in order ran 5% faster, and a request arriving

@@ -123,8 +123,10 @@ class Runner:
         self.kv_groups = kv_groups(model.cfg)  # a block table per group and sequence
         self.block_tables = self._zeros_tables()  # [max_slots, G, W] every slot's block tables
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
-        # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there.
-        one_row_trap = jax.default_backend() == "cpu" and self.dtype == "bfloat16"
+        # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there
+        # (int8's integer dots take each row as two already).
+        integer = model.quant is not None and model.quant.integer_rows > 0
+        one_row_trap = jax.default_backend() == "cpu" and self.dtype == "bfloat16" and not integer
         min_rows = config.min_rows or (2 if one_row_trap else 1)
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
                                    max_seqs=config.max_slots // self.replicas, min_rows=min_rows,
