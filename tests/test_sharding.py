@@ -200,9 +200,12 @@ def check_generate(shape: str, backend: str = "reference", head_dim: str = "8", 
     assert engine.runner.config.attention_backend == backend
     if quantization:  # a scale lies like its weight: column-parallel scales split with their columns
         attn, mlp = engine.runner.state["layers"]["attn"], engine.runner.state["layers"]["mlp"]
+        spec = lambda a: tuple(a[...].sharding.spec) + (None,) * (3 - len(a[...].sharding.spec))  # noqa: E731
         for weight, scale in ((attn["qkv"], attn["qkv_scale"]), (mlp["gate_up"], mlp["gate_up_scale"]),
-                              (attn["out"], attn["out_scale"])):
-            assert weight[...].dtype == "int8" and scale[...].sharding.spec == weight[...].sharding.spec
+                              (attn["out"], attn["out_scale"]), (mlp["down"], mlp["down_scale"])):
+            assert weight[...].dtype == "int8" and scale[...].shape[1] == 1  # one scale per output channel
+            # [L, 1, out]: split like the weight's outputs; a row-parallel weight's inputs have none to split
+            assert spec(scale)[0] == spec(weight)[0] and spec(scale)[1] is None and spec(scale)[2] == spec(weight)[2]
     tokens = generate(engine)
     before = engine.stats()["num_compiles"]
     assert generate(engine) == tokens
