@@ -49,6 +49,10 @@ INPUTS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 FORMAT = 1  # of the cached rounding
 
 
+_hidden_states = nnx.jit(lambda model, tokens, pool, meta: model.hidden_states(
+    tokens, pool, meta, attend=attention_fn("reference")))  # compiled once per model and length
+
+
 def prefill_hidden(model: Transformer, ids: list[int], page: int = 16) -> jax.Array:
     """The final hidden states [n, D] of one sequence `ids` run in one prefill (reference attention)."""
     n, groups = len(ids), kv_groups(model.cfg).num_groups
@@ -57,8 +61,7 @@ def prefill_hidden(model: Transformer, ids: list[int], page: int = 16) -> jax.Ar
     step = build_step(StepSeqs.of([ScheduledSeq(0, 0, ids)]), 1, page, StepBuckets(max_tokens=n, max_seqs=1))
     meta = table_metadata(step.meta, tables, step.seq_slots, step.token_seq_slots, page)
     pool = allocate_kv_pool(model.cfg, 1 + groups * width, page, jnp.float32)
-    hidden, _ = nnx.jit(lambda m, t, p, meta: m.hidden_states(t, p, meta, attend=attention_fn("reference")))(
-        model, jnp.asarray(step.tokens), pool, meta)
+    hidden, _ = _hidden_states(model, jnp.asarray(step.tokens), pool, meta)
     return hidden[:n]
 
 
