@@ -13,10 +13,13 @@ sequence holding `--context` tokens in the pool) and prints tokens/s, the step's
 bytes it must read (weights once, plus every sequence's K/V), and the roofline bound
 min(peak FLOP/s / FLOPs, bandwidth / bytes) x B, from this machine's measured matmul peak (a 2048^3
 dot in each dtype) and read bandwidth (a sum over 512 MiB: a step reads its weights and K/V; a
-copy's read-plus-write figure, printed beside it, is lower on CPU and would flatter the step). Also the one-row and two-row forms of a bf16 dot, which
-decide the smallest decode bucket on CPU. `--budget-sweep` times steps of 16 decode rows plus one
-prompt chunk filling each token budget: tokens/s grows with the budget while every decode waits a
-whole step, so the default budget is the smallest that reaches most of the throughput.
+copy's read-plus-write figure, printed beside it, is lower on CPU and would flatter the step). Also
+the output layer's dot at one, two and 32 rows in float32, bfloat16 and int8 (an integer dot): one
+row against two decides the smallest decode bucket on CPU, and int8 against bfloat16 at 32 rows
+whether int8 can gain where the dots are compute-bound. `--budget-sweep` times steps of 16 decode
+rows plus one prompt chunk filling each token budget: tokens/s grows with the budget while every
+decode waits a whole step, so the default budget is the smallest that reaches most of the
+throughput.
 `--attention` times one layer's decode attention (Gemma 3 270M shapes) over a float32 and a
 bfloat16 pool against reading its K/V once at the measured read bandwidth. `--sampling` times
 the jitted `sample` on 16 rows of the model's own float32 logits (after 16 prefixes of one text),
@@ -59,9 +62,9 @@ def timed(fn, reps: int) -> float:
 
 
 def matmul_peak(dtype, n: int = 2048, reps: int = 5) -> float:
-    """FLOP/s of an n^3 dot in `dtype` with float32 accumulation."""
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
-    dot = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    """FLOP/s of an n^3 dot in `dtype` with float32 accumulation (int8: int32 sums, operations/s)."""
+    a = jnp.asarray(np.random.default_rng(0).integers(-100, 100, (n, n)), dtype)
+    dot = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=_accumulator(dtype)))
     return 2 * n ** 3 / timed(lambda: dot(a).block_until_ready(), reps)
 
 
@@ -154,18 +157,28 @@ def sampling_sweep(args, rows: int = 16) -> None:
         print(f"| {name} | {seconds * 1e3:.1f} |", flush=True)
 
 
-def one_row_forms(reps: int = 20) -> dict[str, float]:
-    """ms of a [rows, 640] x [640, 262144] output layer in the forms the model may take."""
-    w32 = jnp.asarray(np.random.default_rng(0).standard_normal((640, 262144)) * 0.02, jnp.float32)
-    w16 = w32.astype(jnp.bfloat16)
+def output_layer_forms(reps: int = 20) -> dict[str, float]:
+    """ms of a [rows, 640] x [640, 262144] output layer in the forms the model may take: float32,
+    bfloat16 weights, and int8 weights in an integer dot (int8 rows, int32 sums: w8a8's form, and
+    int8's split rows). The smallest decode bucket on CPU follows from one row against two; at 32
+    rows the dots are compute-bound, so int8 gains there only if this backend's integer dot is faster."""
+    rng = np.random.default_rng(0)
+    w32 = jnp.asarray(rng.standard_normal((640, 262144)) * 0.02, jnp.float32)
+    weights = {"float32": w32, "bf16 weights": w32.astype(jnp.bfloat16),
+               "int8 weights": jnp.asarray(rng.integers(-127, 128, (640, 262144)), jnp.int8)}
     out = {}
-    for rows in (1, 2):
-        x = jnp.ones((rows, 640), jnp.float32)
-        f32 = jax.jit(lambda a: a @ w32)
-        bf16 = jax.jit(lambda a: jnp.dot(a.astype(jnp.bfloat16), w16, preferred_element_type=jnp.float32))
-        out[f"float32 x{rows}"] = timed(lambda: f32(x).block_until_ready(), reps) * 1e3
-        out[f"bf16 weights x{rows}"] = timed(lambda: bf16(x).block_until_ready(), reps) * 1e3
+    for rows in (1, 2, 32):
+        for name, w in weights.items():
+            if name == "int8 weights" and rows == 1:
+                continue  # int8's one-token steps run two rows (split rows), w8a8's a padded second
+            x = jnp.ones((rows, 640), w.dtype)
+            dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=_accumulator(b.dtype)))
+            out[f"{name} x{rows}"] = timed(lambda: dot(x, w).block_until_ready(), reps) * 1e3
     return out
+
+
+def _accumulator(dtype):
+    return jnp.int32 if jnp.dtype(dtype) == jnp.int8 else jnp.float32
 
 
 def decode_step_time(engine: Engine, batch: int, context: int, reps: int) -> float:
@@ -259,13 +272,14 @@ def main(argv=None) -> None:
     if args.sampling:
         return sampling_sweep(args)
     peak32, peak16, bandwidth = matmul_peak(jnp.float32), matmul_peak(jnp.bfloat16), read_bandwidth()
-    print(f"roofline: 2048^3 dot {peak32 / 1e9:.0f} GFLOP/s float32, {peak16 / 1e9:.0f} GFLOP/s bfloat16; "
+    print(f"roofline: 2048^3 dot {peak32 / 1e9:.0f} GFLOP/s float32, {peak16 / 1e9:.0f} GFLOP/s bfloat16, "
+          f"{matmul_peak(jnp.int8) / 1e9:.0f} GOP/s int8; "
           f"read {bandwidth / 1e9:.1f} GB/s (copy, read + written: {copy_bandwidth() / 1e9:.1f} GB/s)")
     if args.budget_sweep:
         return budget_sweep(args, [int(b) for b in args.budget_sweep.split(",")])
     if args.attention:
         return attention_sweep(args, [int(b) for b in args.batches.split(",")], bandwidth)
-    print("output layer 640x262144, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in one_row_forms().items()))
+    print("output layer 640x262144, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in output_layer_forms().items()))
     batches = [int(b) for b in args.batches.split(",")]
     print("\n| dtype | batch | step ms | tok/s | GFLOP/s | GB/s | roofline tok/s | of roofline |")
     print("|---|---|---|---|---|---|---|---|")
