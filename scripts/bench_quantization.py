@@ -11,13 +11,19 @@ output layer gives every position's scores. Printed per mode against the float m
 the text's log-likelihood (the sum of each next token's log-probability) and its relative
 difference; the share of positions whose top-1 token is the float model's; and, on ten prompts of
 32 greedy tokens, how many are equal to the float model's up to its first near tie (a top-2
-log-probability margin under 0.1, where float rounding alone may flip the choice). For a GGUF, first
-how far int8 moves each storage type's values (Q4_K and Q6_K are requantized from their floats).
+log-probability margin under 0.1, where float rounding alone may flip the choice), each prompt a
+request of its own. The text's thousands of rows run int8's converted dots; where this CPU has int8
+dot instructions, the row "int8, integer dots" runs them as the engine's steps of one or two rows
+do (the activations split per row, so each row's values are those of a one-row step), with the ten
+prompts one at a time, and the "int8" row's prompts run together (10 rows: converted dots). For a
+GGUF, first how far int8 moves each storage type's values (Q4_K and Q6_K are requantized from their
+floats).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 
 import jax
@@ -39,6 +45,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The three primary colors are", "Water boils at a temperature of", "The largest planet in the solar system",
            "To make a cup of tea, first", "In 1492, Columbus", "The opposite of hot is", "SELECT name FROM users WHERE"]
 NEAR_TIE, TOKENS, ROWS = 0.1, 32, 256
+INTEGER = "int8, integer dots"  # int8 as its steps of up to INTEGER_ROWS rows run it, where the CPU has them
 
 
 def text_scores(model: Transformer, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -56,9 +63,11 @@ def text_scores(model: Transformer, ids: list[int]) -> tuple[np.ndarray, np.ndar
     return np.concatenate(logp)[:n - 1], np.concatenate(top)[:n - 1]
 
 
-def greedy(engine: Engine) -> list[list[tuple[int, float]]]:
-    """Per prompt, (token, top-2 margin) of each greedy step."""
-    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=2))
+def greedy(engine: Engine, together: bool = False) -> list[list[tuple[int, float]]]:
+    """Per prompt, (token, top-2 margin) of each greedy step: one request at a time, each decode
+    step one row (int8's integer dots, where this machine has them), or `together`, 10 rows."""
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    outputs = engine.generate(PROMPTS, params) if together else [engine.generate(p, params)[0] for p in PROMPTS]
     return [[(t, step["top"][0][1] - step["top"][1][1]) for t, step in zip(o.token_ids, o.logprobs)]
             for o in outputs]
 
@@ -153,10 +162,18 @@ def main(argv=None) -> None:
             model_weights = rounded_layers(cfg, weights, tokenizer, cache_root())
             print("int8's layers, relative RMS error against the stored values: GPTQ %.2e, "
                   "rounded to the nearest %.2e" % layer_errors(cfg, weights, model_weights))
-        scores[mode] = text_scores(Transformer(cfg, model_weights, jnp.dtype(args.dtype), quant=quant), ids)
+        model = Transformer(cfg, model_weights, jnp.dtype(args.dtype), quant=quant)
+        scores[mode] = text_scores(model, ids)  # thousands of rows: converted dots
         engine = Engine(cfg, weights, tokenizer, config, model_name=name)
-        tokens[mode] = greedy(engine)
+        integer = quant is not None and quant.integer_rows > 0
+        tokens[mode] = greedy(engine, together=integer)
+        if integer:  # int8's integer dots, which the engine's steps of up to INTEGER_ROWS rows run
+            tokens[INTEGER] = greedy(engine)
+            model.quant = model.layers.attn.quant = model.layers.mlp.quant = dataclasses.replace(
+                quant, integer_rows=len(ids))  # each row is split and scaled alone: the same values at any count
+            scores[INTEGER] = text_scores(model, ids)
         del engine
+    modes += [INTEGER] if INTEGER in scores else []
     ref_logp, ref_top = scores[None]
     print(f"\n| weights | log-likelihood | vs {args.dtype} | top-1 agreement | greedy prompts equal to the first near tie |")
     print("|---|---|---|---|---|")

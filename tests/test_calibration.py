@@ -77,7 +77,12 @@ def test_rounded_layers_are_per_channel_kept_in_the_cache_and_read_back(checkpoi
         assert first[name].dtype == np.int8 and first[name + SCALES].shape == (1, weights[name].shape[1])
     assert first["embed"] is weights["embed"]  # the embedding is not a layer's
     assert len(os.listdir(tmp_path)) == 1
+    rounding = calibration.gptq
     monkeypatch.setattr(calibration, "gptq", None)  # read back, not rounded again
     again = rounded_layers(cfg, weights, tokenizer, str(tmp_path))
     assert all(np.array_equal(again[k], first[k]) for k in first)
     assert rounded_layers(cfg, first, tokenizer, None) is first  # rounded already
+    monkeypatch.setattr(calibration, "gptq", rounding)
+    monkeypatch.setattr(calibration, "SOURCE", calibration.SOURCE + b"# changed")  # the rounding's code changed
+    changed = rounded_layers(cfg, weights, tokenizer, str(tmp_path))
+    assert len(os.listdir(tmp_path)) == 2 and all(np.array_equal(changed[k], first[k]) for k in first)

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,8 @@ DAMP = 0.01  # of the Gram matrix's mean diagonal added to it, as GPTQ does
 BLOCK = 128  # input rows rounded before their error reaches the rows after them in one matmul
 # A layer's dots in the order its forward pass runs them, and the matrices that read each input.
 INPUTS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-FORMAT = 1  # of the cached rounding
+# Part of the cached rounding's key: a change to how this file rounds never reads an old result.
+SOURCE = Path(__file__).read_bytes()
 
 
 _hidden_states = nnx.jit(lambda model, tokens, pool, meta: model.hidden_states(
@@ -153,7 +155,7 @@ def rounded_layers(cfg: ModelConfig, weights: dict, tokenizer, cache_dir: str | 
     if all(weights[n].dtype == np.int8 and weights[n + SCALES].shape[0] == 1 for n in names):
         return weights  # rounded already
     sequences = calibration_ids(tokenizer, cfg)
-    path = cache_dir and os.path.join(cache_dir, f"int8_layers-{_fingerprint(cfg, weights, names, sequences)}-{FORMAT}.npz")
+    path = cache_dir and os.path.join(cache_dir, f"int8_layers-{_fingerprint(cfg, weights, names, sequences)}.npz")
     if path and os.path.exists(path):
         with np.load(path, allow_pickle=False) as saved:
             return {**weights, **{name: saved[name] for name in saved.files}}
@@ -189,7 +191,7 @@ def stored_values(weights: dict, name: str) -> np.ndarray:
 
 
 def _fingerprint(cfg: ModelConfig, weights: dict, names: list[str], sequences: list[list[int]]) -> str:
-    digest = hashlib.sha256(repr((cfg, sequences, DAMP, BLOCK)).encode())
+    digest = hashlib.sha256(SOURCE + repr((cfg, sequences)).encode())
     for name in names:
         for key in (name, name + SCALES):
             if key in weights:
