@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import jax
@@ -159,6 +160,9 @@ def rounded_layers(cfg: ModelConfig, weights: dict, tokenizer, cache_dir: str | 
     if path and os.path.exists(path):
         with np.load(path, allow_pickle=False) as saved:
             return {**weights, **{name: saved[name] for name in saved.files}}
+    start = time.perf_counter()
+    log.info("int8: rounding the layers by GPTQ on %d calibration tokens (once: kept in %s)",
+             sum(map(len, sequences)), cache_dir or "no cache")
     grams = input_grams(cfg, weights, sequences)
     out = dict(weights)
     for kind, matrices in enumerate(INPUTS):
@@ -169,6 +173,7 @@ def rounded_layers(cfg: ModelConfig, weights: dict, tokenizer, cache_dir: str | 
             q, scale = (np.asarray(a) for a in gptq(jnp.asarray(w), gram))
             for i, n in enumerate(layer_names):
                 out[n], out[n + SCALES] = q[i], scale[i]
+    log.info("int8: layers rounded in %.1f s", time.perf_counter() - start)
     if path:
         try:
             os.makedirs(cache_dir, exist_ok=True)
