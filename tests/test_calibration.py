@@ -84,5 +84,9 @@ def test_rounded_layers_are_per_channel_kept_in_the_cache_and_read_back(checkpoi
     assert rounded_layers(cfg, first, tokenizer, None) is first  # rounded already
     monkeypatch.setattr(calibration, "gptq", rounding)
     monkeypatch.setattr(calibration, "SOURCE", calibration.SOURCE + b"# changed")  # the rounding's code changed
-    changed = rounded_layers(cfg, weights, tokenizer, str(tmp_path))
-    assert len(os.listdir(tmp_path)) == 2 and all(np.array_equal(changed[k], first[k]) for k in first)
+    files = os.listdir(tmp_path)
+    (tmp_path / "int8_layers-other-weights.npz").write_bytes(b"")  # another model's rounding
+    changed = rounded_layers(cfg, weights, tokenizer, str(tmp_path))  # rounded again, the older file removed
+    left = sorted(os.listdir(tmp_path))
+    assert len(left) == 2 and "int8_layers-other-weights.npz" in left and files[0] not in left
+    assert all(np.array_equal(changed[k], first[k]) for k in first)

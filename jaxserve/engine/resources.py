@@ -22,13 +22,13 @@ from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_groups import kv_groups
 from jaxserve.model.loader import cache_root
-from jaxserve.model.quantization import GROUPS, INTEGER_ROWS, OUTLIERS, Int8Dot, block_rows
+from jaxserve.model.quantization import GROUPS, OUTLIERS, Int8Dot, block_rows
 from jaxserve.model.transformer import Transformer
 from jaxserve.worker.calibration import rounded_layers
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.worker.kv_pool import page_bytes
 from jaxserve.worker.machine import (INT8_FLAGS, auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions,
-                                     int8_dot_instructions, integer_int8_dots)
+                                     int8_dot_instructions, int8_integer_rows)
 from jaxserve.worker.quantization_plan import auto_quantization
 from jaxserve.worker.runner import Runner, RunnerConfig
 from jaxserve.worker.step_batch import StepBuckets
@@ -128,7 +128,7 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    integer_rows = INTEGER_ROWS if mode == "int8" and integer_int8_dots() else 0
+    integer_rows = int8_integer_rows() if mode == "int8" else 0
     return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows), reason
 
 

@@ -150,13 +150,14 @@ def gptq(w: jax.Array, gram: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def rounded_layers(cfg: ModelConfig, weights: dict, tokenizer, cache_dir: str | None = None) -> dict:
     """`weights` with every layer matrix int8 with one scale per output channel, rounded by GPTQ
-    from the values it stands for (`stored_values`); kept in
-    `cache_dir` under a hash of the weights, so a later start reads it back."""
+    from the values it stands for (`stored_values`); kept in `cache_dir` under a hash of the
+    weights and one of how they are rounded (this file's code, the calibration tokens), so a later
+    start reads it back and a changed rounding never reads an older one."""
     names = [f"layers.{i}.{m}" for i in range(cfg.num_layers) for kind in INPUTS for m in kind]
     if all(weights[n].dtype == np.int8 and weights[n + SCALES].shape[0] == 1 for n in names):
         return weights  # rounded already
     sequences = calibration_ids(tokenizer, cfg)
-    path = cache_dir and os.path.join(cache_dir, f"int8_layers-{_fingerprint(cfg, weights, names, sequences)}.npz")
+    path = cache_dir and os.path.join(cache_dir, f"int8_layers-{_fingerprints(cfg, weights, names, sequences)}.npz")
     if path and os.path.exists(path):
         with np.load(path, allow_pickle=False) as saved:
             return {**weights, **{name: saved[name] for name in saved.files}}
@@ -175,13 +176,28 @@ def rounded_layers(cfg: ModelConfig, weights: dict, tokenizer, cache_dir: str | 
                 out[n], out[n + SCALES] = q[i], scale[i]
     log.info("int8: layers rounded in %.1f s", time.perf_counter() - start)
     if path:
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            np.savez(path + ".tmp.npz", **{n: out[n] for name in names for n in (name, name + SCALES)})
-            os.replace(path + ".tmp.npz", path)
-        except OSError as e:  # a read-only cache only costs the rounding next time
-            log.warning("int8 layers not cached: %s", e)
+        _save(path, {n: out[n] for name in names for n in (name, name + SCALES)})
     return out
+
+
+def _save(path: str, layers: dict) -> None:
+    """Writes the rounded layers to `path`, and removes the same weights' roundings by other code or
+    calibration text, which nothing reads again."""
+    folder, name = os.path.split(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        np.savez(path + ".tmp.npz", **layers)
+        os.replace(path + ".tmp.npz", path)
+    except OSError as e:  # a read-only cache only costs the rounding next time
+        log.warning("int8 layers not cached: %s", e)
+        return
+    same_weights = name.rsplit("-", 1)[0] + "-"
+    for entry in os.listdir(folder):
+        if entry.startswith(same_weights) and entry.endswith(".npz") and ".tmp." not in entry and entry != name:
+            try:
+                os.remove(os.path.join(folder, entry))
+            except OSError:
+                pass  # another process removed it first
 
 
 def stored_values(weights: dict, name: str) -> np.ndarray:
@@ -195,10 +211,12 @@ def stored_values(weights: dict, name: str) -> np.ndarray:
         np.asarray(w, np.float32)
 
 
-def _fingerprint(cfg: ModelConfig, weights: dict, names: list[str], sequences: list[list[int]]) -> str:
-    digest = hashlib.sha256(SOURCE + repr((cfg, sequences)).encode())
+def _fingerprints(cfg: ModelConfig, weights: dict, names: list[str], sequences: list[list[int]]) -> str:
+    """"<hash of the layers' weights>-<hash of how they are rounded>"."""
+    digest = hashlib.sha256()
     for name in names:
         for key in (name, name + SCALES):
             if key in weights:
                 digest.update(np.ascontiguousarray(weights[key]).view(np.uint8).data)
-    return digest.hexdigest()[:20]
+    rounding = hashlib.sha256(SOURCE + repr((cfg, sequences)).encode())
+    return f"{digest.hexdigest()[:20]}-{rounding.hexdigest()[:12]}"

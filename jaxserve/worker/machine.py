@@ -16,6 +16,8 @@ import platform
 
 import jax
 
+from jaxserve.model.quantization import INTEGER_ROWS
+
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # /proc/cpuinfo names (x86 flags, Arm features)
 INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm"})  # int8 dots, int32 sums
 
@@ -50,10 +52,11 @@ def int8_dot_instructions() -> list[str]:
     return sorted(INT8_FLAGS & cpu_flags())
 
 
-def integer_int8_dots() -> bool:
-    """int8's dots as integer dots (`Int8Dot.integer_rows`): on a CPU with int8 dot instructions, where
-    XLA converts a whole int8 operand before a float dot; XLA:GPU and TPU fuse that conversion."""
-    return jax.default_backend() == "cpu" and bool(int8_dot_instructions())
+def int8_integer_rows() -> int:
+    """Up to how many rows int8's dots are integer dots here (`Int8Dot.integer_rows`): INTEGER_ROWS
+    on a CPU with int8 dot instructions, where XLA converts a whole int8 operand before a float dot;
+    0 on GPUs and TPUs, whose XLA fuses that conversion."""
+    return INTEGER_ROWS if jax.default_backend() == "cpu" and int8_dot_instructions() else 0
 
 
 def auto_async_scheduling() -> bool:

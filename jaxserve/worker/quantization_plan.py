@@ -24,11 +24,11 @@ import numpy as np
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import dense_transposed
-from jaxserve.model.quantization import GROUPS, INTEGER_ROWS, OUTLIERS, STORED, Int8Dot, block_rows, quantize_on_device, with_outliers
+from jaxserve.model.quantization import GROUPS, OUTLIERS, STORED, Int8Dot, block_rows, quantize_on_device, with_outliers
 from jaxserve.model.transformer import as_bits
 from jaxserve.worker.dtype_plan import (MAX_TIMED_BYTES, best_ms, clearly_faster, compile_dots, layer_dots, layer_matrices,
                                         read_timings, write_timings)
-from jaxserve.worker.machine import cpu_flags, cpu_model, integer_int8_dots
+from jaxserve.worker.machine import cpu_flags, cpu_model, int8_integer_rows
 
 log = logging.getLogger(__name__)
 FORM = "int8 layers per channel (integer dots of split rows where the CPU has them), output layer with float channels"  # the int8 dots timed: a new form times again
@@ -68,7 +68,7 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) 
     stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
     head = rng.standard_normal((vocab, d), np.float32) * 0.02
     quant = Int8Dot("int8", dtype, block if jax.default_backend() == "cpu" else 0, GROUPS["int8"], OUTLIERS["int8"],
-                    INTEGER_ROWS if integer_int8_dots() else 0)
+                    int8_integer_rows())
     float_layers = [jnp.asarray(as_bits(w.astype(jnp.dtype(dtype)))) for w in stacked]
     int8_layers = [quantize_on_device(jnp.asarray(w), 1, quant.group) for w in stacked]
     int8_head = with_outliers(*quantize_on_device(jnp.asarray(head), 1, STORED["int8"]), 1, OUTLIERS["int8"])
