@@ -225,7 +225,15 @@ def test_no_step_program_holds_a_float_copy_of_a_whole_int8_weight(models, monke
         assert converted_copies(jitted.lower(*args).compile().as_text(), sizes) == [], key
 
 
-def test_the_compile_cache_keys_differ_between_quantizations(models):
+def with_int8_dots(monkeypatch):
+    """w8a8 is refused on a CPU without int8 dot instructions: the tests that build it say the CPU has
+    them (XLA's integer dots then run, slowly, on any CPU)."""
+    from jaxserve.worker import machine
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512_vnni"}))
+
+
+def test_the_compile_cache_keys_differ_between_quantizations(models, monkeypatch):
+    with_int8_dots(monkeypatch)
     cfg, weights, tokenizer = models["llama"]
     config = EngineConfig(dtype="float32", max_slots=4, page_size=8, num_pages=64, max_model_len=128)
     keys = {mode: Engine(cfg, weights, tokenizer, config.replace(quantization=mode)).runner.describe_programs()
@@ -288,7 +296,7 @@ def q8_0_blocks(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return blocks[..., 2:].view(np.int8).reshape(rows, -1), blocks[..., :2].copy().view(np.float16)[..., 0]
 
 
-def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path):
+def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path, monkeypatch):
     """A Q8_0 block is 32 weights along a dot's inputs with a float16 scale: int8's stored layout,
     so the loader takes the values and scales gguf wrote as they are, even for a bfloat16 engine
     (through bfloat16 weights they would not come back); the engine keeps the embedding so, and
@@ -322,6 +330,7 @@ def test_gguf_q8_0_tensors_load_as_their_stored_int8_values_and_scales(tmp_path)
         name = f"layers.{layer}.gate_proj"
         assert np.array_equal(weights[name], dequantize(q, s, 1).T) and name + SCALES not in weights
         assert np.array_equal(np.asarray(mlp["gate_up"][...][layer][:, 0::2]), rounded[name])
+    with_int8_dots(monkeypatch)
     with pytest.raises(ValueError, match="one scale per 32 weights, but quantization='w8a8' reads one per"):
         Engine(cfg, weights, tokenizer, EngineConfig(dtype="float32", quantization="w8a8", num_pages=64,
                                                      max_model_len=128))
