@@ -610,3 +610,29 @@ def test_the_served_state_is_what_the_openapi_document_says(server):
     state = httpx.get(server.url + "/v1/engine/state").json()
     assert not float(state["stats"]["structured_output_mask_seconds"]).is_integer()
     response_validator(server, "/v1/engine/state").validate(state)
+
+
+def test_a_large_body_is_validated_in_a_worker_with_the_same_answers(server, monkeypatch):
+    """A body over PARSE_APART_BYTES is validated in a worker process and comes back with its
+    schemas as text (docs/serving.md): the same constrained text as a body validated here, the
+    same 400 for one that does not validate."""
+    from jaxserve.entrypoints import request_body
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)},
+              "required": ["p0", "p1"]}
+    common = {"model": model_name(server), "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0}
+    bodies = [{**common, "structured_outputs": {"json": schema}},
+              {**common, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+              {**common, "max_tokens": -1, "structured_outputs": {"json": schema}},
+              {**common, "structured_outputs": {"json": {"type": "objekt", "properties": schema["properties"]}}}]
+
+    def answers():
+        replies = [post(server, "/v1/completions", body) for body in bodies]
+        return [(r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.json()["error"])
+                for r in replies]
+    here = answers()
+    assert [status for status, _ in here] == [200, 200, 400, 400], here
+    assert here[0][1].startswith('{"p0":') and here[2][1]["param"] == "max_tokens"
+    assert here[3][1]["param"] == "structured_outputs.json"
+    monkeypatch.setattr(request_body, "PARSE_APART_BYTES", 512)  # every body here is larger
+    monkeypatch.setattr(request_body, "validated", lambda *a: pytest.fail("validated in the API process"))
+    assert answers() == here

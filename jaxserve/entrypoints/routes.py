@@ -3,7 +3,7 @@ each handler finds the engine and the server's settings in `request.app.state` (
 
     router             GET /health, /metrics, /v1/models, /v1/engine/state
     generation_router  POST /v1/completions, /v1/chat/completions: read the body (413 past
-                       max_body_bytes) ─► pydantic model (400) ─► serving_completion.py,
+                       max_body_bytes) ─► pydantic model (400; request_body.py) ─► serving_completion.py,
                        serving_chat.py: the prompts as token ids, submitted, then JSON or SSE
 
 The /v1/ routes ask for the API key when the server has one (`authorize`). Route functions have no
@@ -17,14 +17,13 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import ValidationError
-from starlette.requests import ClientDisconnect
 
 from jaxserve.engine.state import engine_state
 from jaxserve.entrypoints import openapi
 from jaxserve.entrypoints.chat_template import HEADER
 from jaxserve.entrypoints.engine_client import EngineDeadError
-from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest, CompletionRequest, describe
+from jaxserve.entrypoints.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from jaxserve.entrypoints.request_body import parsed_body
 from jaxserve.entrypoints.serving_chat import create_chat_completion
 from jaxserve.entrypoints.serving_completion import create_completion
 
@@ -84,7 +83,7 @@ async def engine_state_route(request: Request):
                         responses=openapi.generation_responses(openapi.Completion, openapi.Completion))
 async def completions(request: Request):
     arrival = time.monotonic()
-    return await create_completion(request, await _parse(request, CompletionRequest), arrival)
+    return await create_completion(request, await parsed_body(request, CompletionRequest), arrival)
 
 
 @generation_router.post(
@@ -94,30 +93,4 @@ async def completions(request: Request):
                        "model has none of its own", "required": True, "schema": {"type": "string"}}}))
 async def chat_completions(request: Request):
     arrival = time.monotonic()
-    return await create_chat_completion(request, await _parse(request, ChatCompletionRequest), arrival)
-
-
-# ---- request parsing ----
-
-async def _parse(request: Request, model):
-    """The body as `model`: 413 past the server's max_body_bytes, 400 for what does not validate."""
-    max_bytes = request.app.state.options.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise ApiError(413, f"the request body ({length} bytes) exceeds the limit of {max_bytes} bytes",
-                       code="body_too_large")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise ApiError(413, f"the request body exceeds the limit of {max_bytes} bytes",
-                               code="body_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ApiError(400, "the client disconnected while sending the body")
-    try:
-        return model.model_validate_json(b"".join(chunks))
-    except ValidationError as e:
-        message, param = describe(e, model)
-        raise ApiError(400, message, param=param)
+    return await create_chat_completion(request, await parsed_body(request, ChatCompletionRequest), arrival)
