@@ -357,17 +357,19 @@ def lower_priority(pid: int, nice: int) -> None:
             except OSError:
                 pass  # ended meanwhile
 
-def tiny_checkpoint(folder: str) -> str:
-    """A tiny random Llama with a tokenizer llguidance can read, built by the test suite's helpers."""
+def tiny_checkpoint(folder: str, positions: int) -> str:
+    """A tiny random Llama of `positions` positions with a tokenizer llguidance can read, built by
+    the test suite's helpers."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from conftest import build_checkpoint, "
-            "build_symbols_tokenizer; build_symbols_tokenizer(build_checkpoint(sys.argv[2]))")
-    subprocess.run([sys.executable, "-c", code, os.path.join(HERE, "..", "tests"), folder], check=True)
+            "build_symbols_tokenizer; build_symbols_tokenizer(build_checkpoint(sys.argv[2], "
+            "max_position_embeddings=int(sys.argv[3])))")
+    subprocess.run([sys.executable, "-c", code, os.path.join(HERE, "..", "tests"), folder, str(positions)], check=True)
     return folder
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = args.model or tiny_checkpoint(tempfile.mkdtemp(prefix="jaxserve-isolation-"))
+    model = args.model or tiny_checkpoint(tempfile.mkdtemp(prefix="jaxserve-isolation-"), args.positions)
     print(f"CPU: {cpu_model()}; model {model}", flush=True)
     if args.mode == "schema":
         print_compile_times(args, model)
@@ -389,6 +391,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--serve", metavar="ARGS", default="", help="more `jaxserve serve` options, as one string")
     parser.add_argument("--streams", type=int, help="concurrent streams (default: 8 template, 16 schema)")
     parser.add_argument("--max-tokens", type=int, default=400, help="tokens per stream (with ignore_eos)")
+    parser.add_argument("--positions", type=int, default=512, help="the tiny model's positions (streams that "
+                        "run through a whole phase: --positions 4096 --max-tokens 4000)")
     parser.add_argument("--baseline-s", type=float, default=20.0, help="seconds of streams alone")
     parser.add_argument("--lead-s", type=float, default=3.0, help="seconds of streams before the heavy request")
     parser.add_argument("--tail-s", type=float, default=2.0, help="seconds of streams after it")
