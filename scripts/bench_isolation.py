@@ -115,10 +115,11 @@ async def streams(url: str, model: str, args, until: list[float]) -> list[Call]:
     return sent
 
 
-def send_apart(url: str, body: bytes, go, out) -> None:
+def send_apart(url: str, body: bytes, go, out, done) -> None:
     """In a process of its own: once `go` is set, sends the streamed completion `body` (encoded)
     and puts how it went on `out` (when sent, first token, end: time.monotonic(); how it ended,
-    its text, its error messages)."""
+    its text, its error messages); then waits for `done` (exiting as the request ends would take
+    the cores from the server, running at a lower priority, while the streams are measured)."""
     async def send_it() -> Call:
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             await asyncio.get_running_loop().run_in_executor(None, go.wait)
@@ -127,6 +128,7 @@ def send_apart(url: str, body: bytes, go, out) -> None:
     out.put({"start": call.start, "first": call.first, "end": call.end, "ended_as": call.ended_as(),
              "text": "".join(c["choices"][0].get("text") or "" for c in call.chunks if c.get("choices")),
              "errors": [e.get("message", "")[:100] for e in call.errors()]})
+    done.wait()
 
 
 def poll_health(url: str, interval: float, stop, out) -> None:
@@ -292,8 +294,8 @@ async def schema_mode(args, url: str, model: str, pid: int) -> bool:
     # Sent from a process of its own, started before the streams: encoding and writing 498 kB
     # here would stall this process's reading of the streams, a gap they would show.
     context = multiprocessing.get_context("fork")
-    go, out = context.Event(), context.Queue()
-    sender = context.Process(target=send_apart, args=(url, json.dumps(body).encode(), go, out), daemon=True)
+    go, out, done = context.Event(), context.Queue(), context.Event()
+    sender = context.Process(target=send_apart, args=(url, json.dumps(body).encode(), go, out, done), daemon=True)
     sender.start()
     seen = {}
 
@@ -304,6 +306,7 @@ async def schema_mode(args, url: str, model: str, pid: int) -> bool:
         until[0] = time.monotonic() + args.tail_s
 
     calls, health = await phase(url, model, args, args.baseline_s, heavy)
+    done.set()
     sender.join()
     sent, first, end = seen["start"], seen["first"], seen["end"]
     window = (sent, (end if math.isnan(first) else first) + 1.0)  # to a second after its first token (or its end)
