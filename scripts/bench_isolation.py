@@ -13,6 +13,8 @@
     python scripts/bench_isolation.py template                  # 8 streams, a 30 s template
     python scripts/bench_isolation.py schema                    # 16 streams, 5000 optional properties
     python scripts/bench_isolation.py schema --required --properties 13000 --model /tmp/tiny-llama
+    python scripts/bench_isolation.py schema --required --properties 13000 --positions 4096 --max-tokens 4000
+                                                                # streams that never restart in a phase
     git archive HEAD | tar -x -C /tmp/head && PYTHONPATH=/tmp/head python scripts/bench_isolation.py schema
                                                                 # a commit's server, whatever the work tree holds
 
