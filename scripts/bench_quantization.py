@@ -12,9 +12,9 @@ the text's log-likelihood (the sum of each next token's log-probability) and its
 difference; the share of positions whose top-1 token is the float model's; and, on ten prompts of
 32 greedy tokens, how many are equal to the float model's up to its first near tie (a top-2
 log-probability margin under 0.1, where float rounding alone may flip the choice), each prompt a
-request of its own. The text's thousands of rows run int8's converted dots; where this CPU has int8
-dot instructions, the row "int8, integer dots" runs them as the engine's steps of one or two rows
-do (the activations split per row, so each row's values are those of a one-row step), with the ten
+request of its own. The text's thousands of rows run int8's converted dots; where the engine takes
+integer dots here (measured at start-up), the row "int8, integer dots" runs them as its steps of
+few rows do (the activations split per row, so each row's values are those of a one-row step), with the ten
 prompts one at a time, and the "int8" row's prompts run together (10 rows: converted dots). For a
 GGUF, first how far int8 moves each storage type's values (Q4_K and Q6_K are requantized from their
 floats).
@@ -45,7 +45,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The three primary colors are", "Water boils at a temperature of", "The largest planet in the solar system",
            "To make a cup of tea, first", "In 1492, Columbus", "The opposite of hot is", "SELECT name FROM users WHERE"]
 NEAR_TIE, TOKENS, ROWS = 0.1, 32, 256
-INTEGER = "int8, integer dots"  # int8 as its steps of up to INTEGER_ROWS rows run it, where the CPU has them
+INTEGER = "int8, integer dots"  # int8 as its steps of up to `integer_rows` rows run it, where they are faster
 
 
 def text_scores(model: Transformer, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
         engine = Engine(cfg, weights, tokenizer, config, model_name=name)
         integer = quant is not None and quant.integer_rows > 0
         tokens[mode] = greedy(engine, together=integer)
-        if integer:  # int8's integer dots, which the engine's steps of up to INTEGER_ROWS rows run
+        if integer:  # int8's integer dots, which the engine's steps of up to `integer_rows` rows run
             tokens[INTEGER] = greedy(engine)
             model.quant = model.layers.attn.quant = model.layers.mlp.quant = dataclasses.replace(
                 quant, integer_rows=len(ids))  # each row is split and scaled alone: the same values at any count

@@ -17,7 +17,7 @@ import pytest
 from jaxserve import Engine, EngineConfig, SamplingParams
 from jaxserve.model import quantization
 from jaxserve.model.loader import CACHE_FORMAT, load_model
-from jaxserve.model.quantization import GROUP, GROUPS, INTEGER_ROWS, OUTLIERS, Int8Dot, dequantize, quantize, split_rows, with_outliers
+from jaxserve.model.quantization import GROUP, GROUPS, OUTLIERS, Int8Dot, dequantize, quantize, split_rows, with_outliers
 from jaxserve.model.weights import SCALES
 from jaxserve.worker.calibration import rounded_layers
 from jaxserve.model.transformer import Transformer
@@ -69,6 +69,9 @@ def test_the_output_layer_keeps_its_largest_input_channels_in_float_and_the_rest
     assert np.all(np.abs(outlier_weights(*layout, axis) - source) <= step / 2 * (1 + 1e-6))
 
 
+INTEGER = 2  # integer dots up to this many rows, in the tests that take them
+
+
 def reference_dot(x, q, s, axis: int, w8a8: bool, split: bool = False) -> np.ndarray:
     """float64 numpy: x @ w (axis 0: q [K, N]) or x @ w.T (axis 1: q [N, K]); with w8a8, x
     rounded to int8 per row first, as the engine does; with `split`, to 15 bits per row."""
@@ -98,19 +101,19 @@ def test_split_rows_are_each_rows_15_bit_rounding_as_two_int8_rows():
                                                 ("w8a8", None, False)])
 def test_the_dots_equal_a_float64_reference_of_the_same_int8_weights(mode, group, integer):
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((INTEGER_ROWS, 64)).astype(np.float32)  # integer dots up to INTEGER_ROWS rows
+    x = rng.standard_normal((INTEGER, 64)).astype(np.float32)  # integer dots up to INTEGER rows
     w = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
     q, s = quantize(w, 0, group)
     tied_q, tied_s = quantize(w.T, 1, group)  # [V, D] as a tied embedding
     for rows in (0, 64):  # the whole output layer at once, and in 4 blocks
-        dot = Int8Dot(mode, "float32", rows, group, 0, INTEGER_ROWS if integer else 0)
+        dot = Int8Dot(mode, "float32", rows, group, 0, INTEGER if integer else 0)
         cases = [(dot.dense(x, q, s), reference_dot(x, q, s, 0, mode == "w8a8", integer)),
                  (dot.dense(x[None], q, s)[0], reference_dot(x, q, s, 0, mode == "w8a8", integer)),  # [1, R, K]
                  (dot.output_layer(x, q, s, tied=False), reference_dot(x, q, s, 0, mode == "w8a8", integer)),
                  (dot.output_layer(x, tied_q, tied_s, tied=True),
                   reference_dot(x, tied_q, tied_s, 1, mode == "w8a8", integer))]
         if integer:  # more rows: converted dots, the activations as they are
-            more = rng.standard_normal((INTEGER_ROWS + 3, 64)).astype(np.float32)
+            more = rng.standard_normal((INTEGER + 3, 64)).astype(np.float32)
             cases += [(dot.dense(more, q, s), reference_dot(more, q, s, 0, False)),
                       (dot.output_layer(more, tied_q, tied_s, tied=True), reference_dot(more, tied_q, tied_s, 1, False))]
         for got, want in cases:
@@ -269,6 +272,47 @@ def test_auto_takes_int8_only_where_it_is_clearly_faster_and_never_fails(timings
     assert mode == chosen and why.startswith("auto")
     if not isinstance(timings, Exception):  # kept: the next start reads it
         assert auto_quantization(cfg, "float32", 1, str(tmp_path / "plans.json"), None) == (mode, why)
+
+
+@pytest.mark.parametrize("timings,chosen", [
+    # ms (converted, integer) at 1, 2, 4 and 8 rows
+    ({1: (10.0, 10.2), 2: (20.0, 12.0), 4: (30.0, 25.0), 8: (40.0, 60.0)}, 4),  # a tie at 1 (AVX2 only)
+    ({1: (28.0, 22.0), 2: (26.6, 25.7), 4: (30.0, 45.0), 8: (39.5, 20.0)}, 1),  # then slower at 4: 8 is not reached
+    ({1: (10.0, 20.0), 2: (20.0, 5.0), 4: (30.0, 5.0), 8: (40.0, 5.0)}, 0),  # slower at one row
+    ({1: (0.10, 0.05), 2: (0.12, 0.06), 4: (0.15, 0.07), 8: (0.2, 0.1)}, 0),  # a tiny model: under a millisecond
+    (RuntimeError("no measurement"), 0)])
+def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_faster(timings, chosen, tmp_path,
+                                                                                    monkeypatch):
+    from jaxserve.model.config import ModelConfig
+    from jaxserve.worker import quantization_plan
+    measured = []
+
+    def measure(cfg, dtype, rows):
+        measured.append(rows)
+        if isinstance(timings, Exception):
+            raise timings
+        return dict(zip(("converted", "integer"), timings[rows]))
+    cfg = ModelConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+                      num_kv_heads=1, head_dim=256, max_position_embeddings=128)  # Gemma 3 270M's shapes
+    tiny = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    monkeypatch.setattr(quantization_plan, "_chosen", {})
+    plans = str(tmp_path / "plans.json")
+    rows, why = quantization_plan.integer_rows(cfg, "float32", plans, measure)
+    assert rows == chosen
+    if isinstance(timings, Exception):
+        assert "could not be timed" in why
+        return
+    assert why.startswith(f"integer dots up to {chosen} rows" if chosen else "converted dots")
+    assert measured == list(quantization_plan.INTEGER_CANDIDATES)
+    assert quantization_plan.integer_rows(cfg, "float32", plans, measure) == (rows, why)  # once per process
+    monkeypatch.setattr(quantization_plan, "_chosen", {})  # a new process reads the file
+    assert quantization_plan.integer_rows(cfg, "float32", plans, measure) == (rows, why)
+    assert len(measured) == len(quantization_plan.INTEGER_CANDIDATES)
+    assert quantization_plan.integer_rows(tiny, "float32", plans, measure)[0] == 0  # not timed: too small
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # XLA fuses the conversion there
+    assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == 0
+    assert len(measured) == len(quantization_plan.INTEGER_CANDIDATES)
 
 
 def test_describe_says_what_is_quantized_and_the_bytes_held(models):

@@ -28,8 +28,9 @@ from jaxserve.worker.calibration import rounded_layers
 from jaxserve.worker.dtype_plan import DtypePlan, plan_for
 from jaxserve.worker.kv_pool import page_bytes
 from jaxserve.worker.machine import (INT8_FLAGS, auto_kv_cache_bytes, auto_weights_dtype, bf16_dot_instructions,
-                                     int8_dot_instructions, int8_integer_rows)
+                                     int8_dot_instructions)
 from jaxserve.worker.quantization_plan import auto_quantization
+from jaxserve.worker.quantization_plan import integer_rows as planned_integer_rows
 from jaxserve.worker.runner import Runner, RunnerConfig
 from jaxserve.worker.step_batch import StepBuckets
 
@@ -114,13 +115,18 @@ def _dtype_per_program(config: EngineConfig, model_config: ModelConfig, model: T
 
 def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) -> tuple[Int8Dot | None, str]:
     """How the model's dots read int8 weights (None: float weights), and why. w8a8 asked for on a
-    CPU without int8 dot instructions is a ValueError; "auto" never fails."""
+    CPU without int8 dot instructions is a ValueError; "auto" never fails. int8's integer dots are
+    chosen by measuring them here (`quantization_plan.integer_rows`)."""
     mode, reason = config.quantization, "asked for" if config.quantization else "the default"
     cpu = jax.default_backend() == "cpu"
+    plans = os.path.join(cache_root(), "quantization_plans.json")
+    integer_rows, integer_reason = 0, ""
+    if mode in ("int8", "auto"):
+        integer_rows, integer_reason = planned_integer_rows(model_config, config.weights_dtype, plans)
     if mode == "auto":
         smallest = 2 if cpu and config.weights_dtype == "bfloat16" else 1  # the runner's smallest row bucket
-        mode, reason = auto_quantization(model_config, config.weights_dtype, smallest,
-                                         os.path.join(cache_root(), "quantization_plans.json"))
+        mode, reason = auto_quantization(model_config, config.weights_dtype, smallest, plans,
+                                         integer_rows=integer_rows)
     if mode is None:
         return None, reason
     if mode == "w8a8" and cpu and not int8_dot_instructions():
@@ -128,8 +134,10 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    integer_rows = int8_integer_rows() if mode == "int8" else 0
-    return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows), reason
+    if mode == "w8a8":
+        return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode]), reason
+    return (Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows),
+            f"{reason}; {integer_reason}")
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:

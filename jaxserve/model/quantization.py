@@ -45,10 +45,6 @@ GROUP = 32  # int8's stored weights per scale along the contracted axis (GGUF's 
 STORED = {"int8": GROUP, "w8a8": None}  # weights per scale as each mode is loaded and cached (None: per output channel)
 GROUPS = {"int8": None, "w8a8": None}  # weights per scale of the layers' dots
 OUTLIERS = {"int8": 8, "w8a8": 0}  # input channels of the output layer each mode keeps in float
-# int8's integer dots (`Int8Dot.integer_rows`) at up to this many rows, converted dots above: a decode
-# step of Gemma 3 270M on an AMD EPYC (2 cores, AVX-512 VNNI) took 22.0 ms against 27.9 at 1 row,
-# 25.7 against 26.6 at 2, but 53.5 against 39.5 at 8 and about 185 against 115 at 32.
-INTEGER_ROWS = 2
 TILE_ELEMENTS = 1 << 22  # a block of the output layer converted at a time: 8 MiB in bfloat16, in cache
 
 
@@ -145,8 +141,8 @@ class Int8Dot:
     layer the rows of a block (0: the whole matrix at once, where XLA fuses the conversion, and
     under a mesh) and its input channels kept in float (`outliers`). `integer_rows`: int8's dots of
     at most that many rows as integer dots of the activations split in two int8 rows each
-    (`split_rows`; `INTEGER_ROWS` where the CPU has int8 dot instructions, as XLA:CPU converts a
-    whole int8 operand before a float dot; 0: none)."""
+    (`split_rows`; on a CPU as many as measured faster there, `quantization_plan.integer_rows`,
+    as XLA:CPU converts a whole int8 operand before a float dot; 0: none)."""
 
     mode: str
     compute_dtype: str

@@ -16,7 +16,6 @@ import platform
 
 import jax
 
-from jaxserve.model.quantization import INTEGER_ROWS
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # /proc/cpuinfo names (x86 flags, Arm features)
 INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm"})  # int8 dots, int32 sums
@@ -50,13 +49,6 @@ def int8_dot_instructions() -> list[str]:
     """The CPU's int8 dot instruction sets among its flags (w8a8 needs one: without, XLA's
     integer dots are scalar loops)."""
     return sorted(INT8_FLAGS & cpu_flags())
-
-
-def int8_integer_rows() -> int:
-    """Up to how many rows int8's dots are integer dots here (`Int8Dot.integer_rows`): INTEGER_ROWS
-    on a CPU with int8 dot instructions, where XLA converts a whole int8 operand before a float dot;
-    0 on GPUs and TPUs, whose XLA fuses that conversion."""
-    return INTEGER_ROWS if jax.default_backend() == "cpu" and int8_dot_instructions() else 0
 
 
 def auto_async_scheduling() -> bool:

@@ -1,5 +1,5 @@
 """What `quantization="auto"` resolves to: float or int8 weights, whichever runs a decode step's dots
-faster on this machine.
+faster on this machine; and up to how many rows int8's dots are integer dots here.
 
 A batch-1 decode step reads every weight once: its time is the layers' four matrices and the output
 layer at the smallest row bucket. Both forms are timed as the model runs them (`Int8Dot` for int8),
@@ -7,12 +7,22 @@ on at most `MAX_TIMED_BYTES` of each, scaled to the whole model; int8 is chosen 
 faster (10% and a millisecond, as in `dtype_plan`). w8a8 is never chosen: on Gemma 3 270M it agreed
 with bfloat16 on 89% of a text's next tokens (docs/quantization.md).
 
+Integer dots (`Int8Dot.integer_rows`): XLA:CPU converts a whole int8 operand before a float dot,
+while its integer dot of the activations split in two int8 rows each (`split_rows`) reads the
+int8 weights as they are. Which is faster depends on the CPU and the row count, not only on its
+int8 dot instructions: with AVX-512 VNNI (AMD EPYC) integer dots won at 1 and 2 rows and lost at
+8; on an AVX2-only AMD EPYC they tied at 1 row and won at 2 and 4 (docs/quantization.md). So both
+are timed at `INTEGER_CANDIDATES` rows, and integer dots taken up to the most rows at which they
+were clearly faster (stopping at the first row count where they were clearly slower). On GPUs and
+TPUs XLA fuses the conversion into the dot: no integer dots.
+
 The timings are kept in `$JAXSERVE_CACHE/quantization_plans.json`, keyed by the CPU, jax, the XLA
-flags, the shapes and the dtype: measured once per machine and model.
+flags, the shapes and the dtype: measured once per machine and model (and once per process).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -28,24 +38,29 @@ from jaxserve.model.quantization import GROUPS, OUTLIERS, STORED, Int8Dot, block
 from jaxserve.model.transformer import as_bits
 from jaxserve.worker.dtype_plan import (MAX_TIMED_BYTES, best_ms, clearly_faster, compile_dots, layer_dots, layer_matrices,
                                         read_timings, write_timings)
-from jaxserve.worker.machine import cpu_flags, cpu_model, int8_integer_rows
+from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
-FORM = "int8 layers per channel (integer dots of split rows where the CPU has them), output layer with float channels"  # the int8 dots timed: a new form times again
+FORM = "int8 layers per channel, output layer with float channels"  # the int8 dots timed: a new form times again
+INTEGER_CANDIDATES = (1, 2, 4, 8)  # row counts at which integer and converted dots are timed
+MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
+_chosen: dict[str, int] = {}  # integer rows chosen in this process, by key: one choice per process
 
 
-def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, measure=None) -> tuple[str | None, str]:
-    """("int8" or None, why) for a model of `cfg` in `dtype` decoding `rows` rows at the least;
-    `measure(cfg, dtype, rows)` gives {"none": ms, "int8": ms} (default: `measure_decode_dots`).
-    A measurement that fails leaves the weights float."""
-    key = " | ".join(map(str, (FORM, cpu_model(), platform.machine(), sorted(cpu_flags()), jax.default_backend(),
-                               jax.__version__, os.environ.get("XLA_FLAGS", ""), _shapes(cfg), dtype, rows)))
+def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, measure=None,
+                      integer_rows: int = 0) -> tuple[str | None, str]:
+    """("int8" or None, why) for a model of `cfg` in `dtype` decoding `rows` rows at the least,
+    int8's dots integer dots up to `integer_rows` rows; `measure(cfg, dtype, rows)` gives
+    {"none": ms, "int8": ms} (default: `measure_decode_dots`). A measurement that fails leaves
+    the weights float."""
+    key = _key(FORM, cfg, dtype, rows, integer_rows)
+    measure = measure or functools.partial(measure_decode_dots, integer_rows=integer_rows)
     saved = read_timings(cache_file)
     timings = saved.get(key)
     if not (isinstance(timings, dict) and all(isinstance(timings.get(k), (int, float)) for k in ("none", "int8"))):
         start = time.perf_counter()
         try:
-            timings = (measure or measure_decode_dots)(cfg, dtype, rows)
+            timings = measure(cfg, dtype, rows)
         except Exception as e:  # noqa: BLE001 — auto never fails: float weights, as without it
             log.warning("could not time int8 dots here (%s): the weights stay %s", e, dtype)
             return None, f"auto: int8 dots could not be timed here ({type(e).__name__}: {e})"
@@ -56,28 +71,101 @@ def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, 
                   f"{timings['none']:.1f} ms in {dtype}, {timings['int8']:.1f} ms in int8")
 
 
-def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) -> dict[str, float]:
+def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) -> tuple[int, str]:
+    """(up to how many rows int8's dots are integer dots, why) for a model of `cfg` in `dtype`;
+    `measure(cfg, dtype, rows)` gives {"converted": ms, "integer": ms} (default:
+    `measure_integer_dots`). 0 on GPUs and TPUs, and where the measurement fails."""
+    if jax.default_backend() != "cpu":
+        return 0, "XLA fuses int8's conversion into the dot here"
+    size = cfg.num_layers * sum(a * b for a, b in layer_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
+    if size < MIN_TIMED_INT8_BYTES:
+        return 0, f"converted dots: {size / 2**20:.1f} MiB of int8 weights, too few to time"
+    key = _key("integer dots of split rows, " + FORM, cfg, dtype, INTEGER_CANDIDATES)
+    if key not in _chosen:
+        saved = read_timings(cache_file)
+        timings = saved.get(key)
+        if not (isinstance(timings, dict) and all(isinstance(timings.get(str(r)), dict) for r in INTEGER_CANDIDATES)):
+            start = time.perf_counter()
+            try:
+                timings = {str(r): (measure or measure_integer_dots)(cfg, dtype, r) for r in INTEGER_CANDIDATES}
+            except Exception as e:  # noqa: BLE001 — converted dots, as without integer dots
+                log.warning("could not time int8's integer dots here (%s): converted dots", e)
+                return 0, f"int8's integer dots could not be timed here ({type(e).__name__}: {e})"
+            log.info("timed int8's integer and converted dots in %.1f s", time.perf_counter() - start)
+            write_timings(cache_file, {**read_timings(cache_file), key: timings})
+        _chosen[key] = most_integer_rows(timings)
+    chosen = _chosen[key]
+    return chosen, (f"integer dots up to {chosen} rows" if chosen else "converted dots") + \
+        f": a decode step's dots at {', '.join(map(str, INTEGER_CANDIDATES))} rows measured here"
+
+
+def most_integer_rows(timings: dict) -> int:
+    """The most candidate rows at which integer dots were clearly faster than converted ones, before
+    the first at which they were clearly slower (0: none)."""
+    most = 0
+    for rows in INTEGER_CANDIDATES:
+        integer, converted = timings[str(rows)]["integer"], timings[str(rows)]["converted"]
+        if clearly_faster(converted, integer):
+            break
+        if clearly_faster(integer, converted):
+            most = rows
+    return most
+
+
+def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: int = 0,
+                        reps: int = 3) -> dict[str, float]:
     """Milliseconds (best of `reps`) of the layers' matrices and the output layer on `rows` rows,
-    in `dtype` and in int8, scaled to the whole model."""
-    d, layer = cfg.hidden_size, layer_matrices(cfg)
-    per_layer = sum(a * b for a, b in layer)
-    most = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * per_layer)))
-    block = block_rows(cfg.vocab_size, d)
-    vocab = max(block, min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d)) // block * block)
-    rng = np.random.default_rng(0)
-    stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
-    head = rng.standard_normal((vocab, d), np.float32) * 0.02
-    quant = Int8Dot("int8", dtype, block if jax.default_backend() == "cpu" else 0, GROUPS["int8"], OUTLIERS["int8"],
-                    int8_integer_rows())
-    float_layers = [jnp.asarray(as_bits(w.astype(jnp.dtype(dtype)))) for w in stacked]
-    int8_layers = [quantize_on_device(jnp.asarray(w), 1, quant.group) for w in stacked]
-    int8_head = with_outliers(*quantize_on_device(jnp.asarray(head), 1, STORED["int8"]), 1, OUTLIERS["int8"])
-    runs = {"none": [(layer_dots, float_layers), (dense_transposed, jnp.asarray(head, jnp.dtype(dtype)))],
-            "int8": [(lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)), int8_layers),
-                     (lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:]), int8_head)]}
-    shares = (most / cfg.num_layers, vocab / cfg.vocab_size)
-    return {mode: sum(best_ms(compile_dots(fn, rows, d, w), w, reps) / share for (fn, w), share in zip(pairs, shares))
-            for mode, pairs in runs.items()}
+    in `dtype` and in int8 (integer dots up to `integer_rows` rows), scaled to the whole model."""
+    parts = _DecodeDots(cfg, dtype)
+    return {"none": parts.float_ms(rows, reps), "int8": parts.int8_ms(rows, integer_rows, reps)}
+
+
+def measure_integer_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) -> dict[str, float]:
+    """Milliseconds (best of `reps`) of the layers' int8 matrices and output layer on `rows` rows
+    as integer dots and as converted dots, scaled to the whole model."""
+    parts = _DecodeDots(cfg, dtype)
+    return {"integer": parts.int8_ms(rows, rows, reps), "converted": parts.int8_ms(rows, 0, reps)}
+
+
+class _DecodeDots:
+    """Random weights of a decode step's dots in `cfg`'s shapes, at most `MAX_TIMED_BYTES` of the
+    layers and of the output layer each, in `dtype` and in int8; times scale to the whole model."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        d, layer = cfg.hidden_size, layer_matrices(cfg)
+        per_layer = sum(a * b for a, b in layer)
+        most = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * per_layer)))
+        self.block = block_rows(cfg.vocab_size, d)
+        vocab = max(self.block, min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d)) // self.block * self.block)
+        rng = np.random.default_rng(0)
+        stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
+        head = rng.standard_normal((vocab, d), np.float32) * 0.02
+        self.d, self.dtype, self.shares = d, dtype, (most / cfg.num_layers, vocab / cfg.vocab_size)
+        self.float_parts = ([jnp.asarray(as_bits(w.astype(jnp.dtype(dtype)))) for w in stacked],
+                            jnp.asarray(head, jnp.dtype(dtype)))
+        self.int8_parts = ([quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in stacked],
+                           with_outliers(*quantize_on_device(jnp.asarray(head), 1, STORED["int8"]), 1, OUTLIERS["int8"]))
+
+    def float_ms(self, rows: int, reps: int) -> float:
+        return self._ms([layer_dots, dense_transposed], self.float_parts, rows, reps)
+
+    def int8_ms(self, rows: int, integer_rows: int, reps: int) -> float:
+        blocks = self.block if jax.default_backend() == "cpu" else 0  # as resources.resolve_quantization
+        quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows)
+        fns = [lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)),
+               lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:])]
+        return self._ms(fns, self.int8_parts, rows, reps)
+
+    def _ms(self, fns, parts, rows: int, reps: int) -> float:
+        return sum(best_ms(compile_dots(fn, rows, self.d, w), w, reps) / share
+                   for fn, w, share in zip(fns, parts, self.shares))
+
+
+def _key(*fields) -> str:
+    """A measurement's key: `fields` (form, cfg, dtype, rows) and the machine it was taken on."""
+    form, cfg, *rest = fields
+    return " | ".join(map(str, (form, cpu_model(), platform.machine(), sorted(cpu_flags()), jax.default_backend(),
+                                jax.__version__, os.environ.get("XLA_FLAGS", ""), _shapes(cfg), *rest)))
 
 
 def _shapes(cfg: ModelConfig) -> tuple:
