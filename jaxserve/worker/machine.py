@@ -46,8 +46,8 @@ def bf16_dot_instructions() -> list[str]:
 
 
 def int8_dot_instructions() -> list[str]:
-    """The CPU's int8 dot instruction sets among its flags (w8a8 needs one: without, XLA's
-    integer dots are scalar loops)."""
+    """The CPU's int8 dot instruction sets among its flags (w8a8, meant for them, is refused
+    without one; int8's integer dots are chosen by timing them, `quantization_plan.integer_rows`)."""
     return sorted(INT8_FLAGS & cpu_flags())
 
 
