@@ -287,7 +287,7 @@ def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_fast
     from jaxserve.worker import quantization_plan
     measured = []
 
-    def measure(cfg, dtype, rows):
+    def measure(rows):
         measured.append(rows)
         if isinstance(timings, Exception):
             raise timings

@@ -73,8 +73,8 @@ def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, 
 
 def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) -> tuple[int, str]:
     """(up to how many rows int8's dots are integer dots, why) for a model of `cfg` in `dtype`;
-    `measure(cfg, dtype, rows)` gives {"converted": ms, "integer": ms} (default:
-    `measure_integer_dots`). 0 on GPUs and TPUs, and where the measurement fails."""
+    `measure(rows)` gives {"converted": ms, "integer": ms} at `rows` rows (default: an
+    `IntegerDots`' `timings`). 0 on GPUs and TPUs, and where the measurement fails."""
     if jax.default_backend() != "cpu":
         return 0, "XLA fuses int8's conversion into the dot here"
     size = cfg.num_layers * sum(a * b for a, b in layer_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
@@ -87,7 +87,8 @@ def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) ->
         if not (isinstance(timings, dict) and all(isinstance(timings.get(str(r)), dict) for r in INTEGER_CANDIDATES)):
             start = time.perf_counter()
             try:
-                timings = {str(r): (measure or measure_integer_dots)(cfg, dtype, r) for r in INTEGER_CANDIDATES}
+                measure = measure or IntegerDots(cfg, dtype).timings
+                timings = {str(r): measure(r) for r in INTEGER_CANDIDATES}
             except Exception as e:  # noqa: BLE001 — converted dots, as without integer dots
                 log.warning("could not time int8's integer dots here (%s): converted dots", e)
                 return 0, f"int8's integer dots could not be timed here ({type(e).__name__}: {e})"
@@ -118,13 +119,6 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: i
     in `dtype` and in int8 (integer dots up to `integer_rows` rows), scaled to the whole model."""
     parts = _DecodeDots(cfg, dtype)
     return {"none": parts.float_ms(rows, reps), "int8": parts.int8_ms(rows, integer_rows, reps)}
-
-
-def measure_integer_dots(cfg: ModelConfig, dtype: str, rows: int, reps: int = 3) -> dict[str, float]:
-    """Milliseconds (best of `reps`) of the layers' int8 matrices and output layer on `rows` rows
-    as integer dots and as converted dots, scaled to the whole model."""
-    parts = _DecodeDots(cfg, dtype)
-    return {"integer": parts.int8_ms(rows, rows, reps), "converted": parts.int8_ms(rows, 0, reps)}
 
 
 class _DecodeDots:
@@ -159,6 +153,15 @@ class _DecodeDots:
     def _ms(self, fns, parts, rows: int, reps: int) -> float:
         return sum(best_ms(compile_dots(fn, rows, self.d, w), w, reps) / share
                    for fn, w, share in zip(fns, parts, self.shares))
+
+
+class IntegerDots(_DecodeDots):
+    """A decode step's int8 dots timed as integer and as converted dots, on weights made once."""
+
+    def timings(self, rows: int, reps: int = 3) -> dict[str, float]:
+        """Milliseconds (best of `reps`) of the layers' int8 matrices and output layer on `rows`
+        rows as integer dots and as converted dots, scaled to the whole model."""
+        return {"integer": self.int8_ms(rows, rows, reps), "converted": self.int8_ms(rows, 0, reps)}
 
 
 def _key(*fields) -> str:
