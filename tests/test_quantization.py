@@ -310,6 +310,10 @@ def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_fast
     assert quantization_plan.integer_rows(cfg, "float32", plans, measure) == (rows, why)
     assert len(measured) == len(quantization_plan.INTEGER_CANDIDATES)
     assert quantization_plan.integer_rows(tiny, "float32", plans, measure)[0] == 0  # not timed: too small
+    with monkeypatch.context() as m:  # each process of a multi-host group would choose its own
+        m.setattr(jax, "process_count", lambda: 2)
+        m.setattr(quantization_plan, "_chosen", {})
+        assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == 0
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # XLA fuses the conversion there
     assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == 0
     assert len(measured) == len(quantization_plan.INTEGER_CANDIDATES)

@@ -134,10 +134,8 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    if mode == "w8a8":
-        return Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode]), reason
-    return (Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows),
-            f"{reason}; {integer_reason}")
+    quant = Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows)  # w8a8: 0
+    return quant, f"{reason}; {integer_reason}" if integer_reason else reason
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> tuple[int, str]:

@@ -73,10 +73,13 @@ def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, 
 
 def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) -> tuple[int, str]:
     """(up to how many rows int8's dots are integer dots, why) for a model of `cfg` in `dtype`;
-    `measure(rows)` gives {"converted": ms, "integer": ms} at `rows` rows (default: an
-    `IntegerDots`' `timings`). 0 on GPUs and TPUs, and where the measurement fails."""
+    `measure(rows)` gives {"converted": ms, "integer": ms} at `rows` rows (default:
+    `DecodeDots.integer_timings`). 0 on GPUs and TPUs, in a multi-host group, and where the
+    measurement fails."""
     if jax.default_backend() != "cpu":
         return 0, "XLA fuses int8's conversion into the dot here"
+    if jax.process_count() > 1:  # each process would time its own: a group's programs must be the same
+        return 0, "converted dots: a multi-host group does not time them"
     size = cfg.num_layers * sum(a * b for a, b in layer_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
     if size < MIN_TIMED_INT8_BYTES:
         return 0, f"converted dots: {size / 2**20:.1f} MiB of int8 weights, too few to time"
@@ -87,7 +90,7 @@ def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) ->
         if not (isinstance(timings, dict) and all(isinstance(timings.get(str(r)), dict) for r in INTEGER_CANDIDATES)):
             start = time.perf_counter()
             try:
-                measure = measure or IntegerDots(cfg, dtype).timings
+                measure = measure or DecodeDots(cfg, dtype).integer_timings
                 timings = {str(r): measure(r) for r in INTEGER_CANDIDATES}
             except Exception as e:  # noqa: BLE001 — converted dots, as without integer dots
                 log.warning("could not time int8's integer dots here (%s): converted dots", e)
@@ -117,13 +120,14 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: i
                         reps: int = 3) -> dict[str, float]:
     """Milliseconds (best of `reps`) of the layers' matrices and the output layer on `rows` rows,
     in `dtype` and in int8 (integer dots up to `integer_rows` rows), scaled to the whole model."""
-    parts = _DecodeDots(cfg, dtype)
-    return {"none": parts.float_ms(rows, reps), "int8": parts.int8_ms(rows, integer_rows, reps)}
+    dots = DecodeDots(cfg, dtype)
+    return {"none": dots.float_ms(rows, reps), "int8": dots.int8_ms(rows, integer_rows, reps)}
 
 
-class _DecodeDots:
+class DecodeDots:
     """Random weights of a decode step's dots in `cfg`'s shapes, at most `MAX_TIMED_BYTES` of the
-    layers and of the output layer each, in `dtype` and in int8; times scale to the whole model."""
+    layers and of the output layer each, made in `dtype` or in int8 when first timed; times scale
+    to the whole model."""
 
     def __init__(self, cfg: ModelConfig, dtype: str):
         d, layer = cfg.hidden_size, layer_matrices(cfg)
@@ -132,13 +136,19 @@ class _DecodeDots:
         self.block = block_rows(cfg.vocab_size, d)
         vocab = max(self.block, min(cfg.vocab_size, MAX_TIMED_BYTES // (4 * d)) // self.block * self.block)
         rng = np.random.default_rng(0)
-        stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
-        head = rng.standard_normal((vocab, d), np.float32) * 0.02
+        self.stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
+        self.head = rng.standard_normal((vocab, d), np.float32) * 0.02
         self.d, self.dtype, self.shares = d, dtype, (most / cfg.num_layers, vocab / cfg.vocab_size)
-        self.float_parts = ([jnp.asarray(as_bits(w.astype(jnp.dtype(dtype)))) for w in stacked],
-                            jnp.asarray(head, jnp.dtype(dtype)))
-        self.int8_parts = ([quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in stacked],
-                           with_outliers(*quantize_on_device(jnp.asarray(head), 1, STORED["int8"]), 1, OUTLIERS["int8"]))
+
+    @functools.cached_property
+    def float_parts(self):
+        return ([jnp.asarray(as_bits(w.astype(jnp.dtype(self.dtype)))) for w in self.stacked],
+                jnp.asarray(self.head, jnp.dtype(self.dtype)))
+
+    @functools.cached_property
+    def int8_parts(self):
+        return ([quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in self.stacked],
+                with_outliers(*quantize_on_device(jnp.asarray(self.head), 1, STORED["int8"]), 1, OUTLIERS["int8"]))
 
     def float_ms(self, rows: int, reps: int) -> float:
         return self._ms([layer_dots, dense_transposed], self.float_parts, rows, reps)
@@ -150,23 +160,17 @@ class _DecodeDots:
                lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:])]
         return self._ms(fns, self.int8_parts, rows, reps)
 
+    def integer_timings(self, rows: int, reps: int = 3) -> dict[str, float]:
+        """Milliseconds of the int8 dots on `rows` rows as integer dots and as converted dots."""
+        return {"integer": self.int8_ms(rows, rows, reps), "converted": self.int8_ms(rows, 0, reps)}
+
     def _ms(self, fns, parts, rows: int, reps: int) -> float:
         return sum(best_ms(compile_dots(fn, rows, self.d, w), w, reps) / share
                    for fn, w, share in zip(fns, parts, self.shares))
 
 
-class IntegerDots(_DecodeDots):
-    """A decode step's int8 dots timed as integer and as converted dots, on weights made once."""
-
-    def timings(self, rows: int, reps: int = 3) -> dict[str, float]:
-        """Milliseconds (best of `reps`) of the layers' int8 matrices and output layer on `rows`
-        rows as integer dots and as converted dots, scaled to the whole model."""
-        return {"integer": self.int8_ms(rows, rows, reps), "converted": self.int8_ms(rows, 0, reps)}
-
-
-def _key(*fields) -> str:
-    """A measurement's key: `fields` (form, cfg, dtype, rows) and the machine it was taken on."""
-    form, cfg, *rest = fields
+def _key(form: str, cfg: ModelConfig, *rest) -> str:
+    """A measurement's key: its form, the model's shapes, `rest` (dtype, rows, ...) and the machine."""
     return " | ".join(map(str, (form, cpu_model(), platform.machine(), sorted(cpu_flags()), jax.default_backend(),
                                 jax.__version__, os.environ.get("XLA_FLAGS", ""), _shapes(cfg), *rest)))
 
