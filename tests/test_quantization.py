@@ -326,7 +326,7 @@ def test_describe_says_what_is_quantized_and_the_bytes_held(models):
     int8 = Engine(cfg, weights, tokenizer, config.replace(quantization="int8"))
     line = int8.describe().splitlines()[2]
     assert "not quantized (the default)" in plain
-    how = ("integer dots of the activations in two int8 rows (15 bits)" if int8.runner.quant.integer_rows
+    how = ("of the activations rounded to 15 bits, int32 sums" if int8.runner.quant.integer_rows
            else "int8, read in float32")  # where the CPU has int8 dot instructions
     assert how in line and "float16 scales one per output channel, the layers rounded by GPTQ" in line
     assert "(asked for)" in line

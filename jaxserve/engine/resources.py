@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import QUANTIZATIONS, EngineConfig
+from jaxserve.cpu_kernels.int8_dot import load as load_int8_kernel
 from jaxserve.distributed.sharding import kv_heads_per_memory, make_mesh
 from jaxserve.engine.batching.kv_cache_manager import pages_per_sequence
 from jaxserve.engine.batching.sampling_params import MAX_LOGPROBS
@@ -120,13 +121,16 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
     mode, reason = config.quantization, "asked for" if config.quantization else "the default"
     cpu = jax.default_backend() == "cpu"
     plans = os.path.join(cache_root(), "quantization_plans.json")
-    integer_rows, integer_reason = 0, ""
+    integer_rows, integer_reason, kernel = 0, "", None
     if mode in ("int8", "auto"):
-        integer_rows, integer_reason = planned_integer_rows(model_config, config.weights_dtype, plans)
+        if cpu and mesh is None:  # XLA cannot partition the kernel's call: under a mesh, XLA's dots
+            kernel, why_not = load_int8_kernel(cache_root())
+        integer_rows, integer_reason = planned_integer_rows(model_config, config.weights_dtype, plans, kernel=kernel)
+        integer_reason += f" ({why_not})" if cpu and mesh is None and kernel is None else ""
     if mode == "auto":
         smallest = 2 if cpu and config.weights_dtype == "bfloat16" else 1  # the runner's smallest row bucket
         mode, reason = auto_quantization(model_config, config.weights_dtype, smallest, plans,
-                                         integer_rows=integer_rows)
+                                         integer_rows=integer_rows, kernel=kernel)
     if mode is None:
         return None, reason
     if mode == "w8a8" and cpu and not int8_dot_instructions():
@@ -134,7 +138,8 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    quant = Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows)  # w8a8: 0
+    quant = Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows,  # w8a8: 0
+                    kernel if integer_rows else None)
     return quant, f"{reason}; {integer_reason}" if integer_reason else reason
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +143,9 @@ class Int8Dot:
     under a mesh) and its input channels kept in float (`outliers`). `integer_rows`: int8's dots of
     at most that many rows as integer dots of the activations split in two int8 rows each
     (`split_rows`; on a CPU as many as measured faster there, `quantization_plan.integer_rows`,
-    as XLA:CPU converts a whole int8 operand before a float dot; 0: none)."""
+    as XLA:CPU converts a whole int8 operand before a float dot; 0: none). `kernel`: a CPU kernel
+    computing those integer dots (`jaxserve.cpu_kernels.int8_dot`, injected: the model imports no
+    kernel), called for the matrices it `fits`; None: XLA's integer dot."""
 
     mode: str
     compute_dtype: str
@@ -150,17 +153,21 @@ class Int8Dot:
     group: int | None = GROUP
     outliers: int = 0
     integer_rows: int = 0
+    kernel: Callable | None = None
 
     def __post_init__(self):
         if self.mode == "w8a8" and self.group is not None:
             raise ValueError("w8a8's integer dots take one weight scale per output channel (group=None)")
         if self.integer_rows and (self.mode != "int8" or self.group is not None):
             raise ValueError("int8's integer dots take one weight scale per output channel (group=None)")
+        if self.kernel is not None and not self.integer_rows:
+            raise ValueError("a kernel computes integer dots: it needs integer_rows")
 
     def describe(self) -> str:
         scales = "one per output channel" if self.group is None else f"one per {self.group} weights of a dot's inputs"
-        how = (f"int8, up to {self.integer_rows} rows integer dots of the activations in two int8 rows (15 "
-               f"bits), int32 sums, else read in {self.compute_dtype}" if self.integer_rows
+        kernel = " (a CPU kernel)" if self.kernel is not None else ""
+        how = (f"int8, up to {self.integer_rows} rows integer dots{kernel} of the activations rounded to 15 "
+               f"bits, int32 sums, else read in {self.compute_dtype}" if self.integer_rows
                else f"int8, read in {self.compute_dtype}" if self.mode == "int8"
                else "w8a8: int8 activations (one scale a token), int32 sums")
         scales += ", the layers rounded by GPTQ" if self.mode == "int8" and self.group is None else ""
@@ -214,7 +221,10 @@ class Int8Dot:
             acc = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
             return acc.astype(jnp.float32) * xs * out_scale
         if self._integer_at(x):
-            xq, xs = split_rows(x.reshape(-1, x.shape[-1]))
+            flat, transposed = x.reshape(-1, x.shape[-1]), axis == 1  # q [N, K], else [K, N]
+            if self.kernel is not None and self.kernel.fits(q.shape[axis], q.shape[1 - axis]):
+                return self.kernel(flat, q, scale, transposed).reshape(*x.shape[:-1], -1)
+            xq, xs = split_rows(flat)
             acc = jax.lax.dot_general(xq, q, (((1,), dims[0][1]), ((), ())), preferred_element_type=jnp.int32)
             acc, rows = acc.astype(jnp.float32), xs.shape[0]  # summed in float32: 128 high would overflow int32
             return ((128 * acc[:rows] + acc[rows:]) * xs * out_scale).reshape(*x.shape[:-1], -1)

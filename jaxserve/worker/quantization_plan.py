@@ -48,13 +48,14 @@ _chosen: dict[str, int] = {}  # integer rows chosen in this process, by key: one
 
 
 def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, measure=None,
-                      integer_rows: int = 0) -> tuple[str | None, str]:
+                      integer_rows: int = 0, kernel=None) -> tuple[str | None, str]:
     """("int8" or None, why) for a model of `cfg` in `dtype` decoding `rows` rows at the least,
-    int8's dots integer dots up to `integer_rows` rows; `measure(cfg, dtype, rows)` gives
-    {"none": ms, "int8": ms} (default: `measure_decode_dots`). A measurement that fails leaves
-    the weights float."""
-    key = _key(FORM, cfg, dtype, rows, integer_rows)
-    measure = measure or functools.partial(measure_decode_dots, integer_rows=integer_rows)
+    int8's dots integer dots up to `integer_rows` rows (by `kernel`, `Int8Dot.kernel`);
+    `measure(cfg, dtype, rows)` gives {"none": ms, "int8": ms} (default: `measure_decode_dots`).
+    A measurement that fails leaves the weights float."""
+    kernel = kernel if integer_rows else None
+    key = _key(FORM, cfg, dtype, rows, integer_rows, *([kernel] if kernel else []))
+    measure = measure or functools.partial(measure_decode_dots, integer_rows=integer_rows, kernel=kernel)
     saved = read_timings(cache_file)
     timings = saved.get(key)
     if not (isinstance(timings, dict) and all(isinstance(timings.get(k), (int, float)) for k in ("none", "int8"))):
@@ -71,11 +72,11 @@ def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, 
                   f"{timings['none']:.1f} ms in {dtype}, {timings['int8']:.1f} ms in int8")
 
 
-def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) -> tuple[int, str]:
-    """(up to how many rows int8's dots are integer dots, why) for a model of `cfg` in `dtype`;
-    `measure(rows)` gives {"converted": ms, "integer": ms} at `rows` rows (default:
-    `DecodeDots.integer_timings`). 0 on GPUs and TPUs, in a multi-host group, and where the
-    measurement fails."""
+def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None, kernel=None) -> tuple[int, str]:
+    """(up to how many rows int8's dots are integer dots, why) for a model of `cfg` in `dtype`,
+    computed by `kernel` (`Int8Dot.kernel`; None: XLA's integer dot); `measure(rows)` gives
+    {"converted": ms, "integer": ms} at `rows` rows (default: `DecodeDots.integer_timings`). 0 on
+    GPUs and TPUs, in a multi-host group, and where the measurement fails."""
     if jax.default_backend() != "cpu":
         return 0, "XLA fuses int8's conversion into the dot here"
     if jax.process_count() > 1:  # each process would time its own: a group's programs must be the same
@@ -83,14 +84,15 @@ def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None) ->
     size = cfg.num_layers * sum(a * b for a, b in layer_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
     if size < MIN_TIMED_INT8_BYTES:
         return 0, f"converted dots: {size / 2**20:.1f} MiB of int8 weights, too few to time"
-    key = _key("integer dots of split rows, " + FORM, cfg, dtype, INTEGER_CANDIDATES)
+    form = "integer dots of split rows" if kernel is None else f"integer dots by {kernel}"
+    key = _key(f"{form}, {FORM}", cfg, dtype, INTEGER_CANDIDATES)
     if key not in _chosen:
         saved = read_timings(cache_file)
         timings = saved.get(key)
         if not (isinstance(timings, dict) and all(isinstance(timings.get(str(r)), dict) for r in INTEGER_CANDIDATES)):
             start = time.perf_counter()
             try:
-                measure = measure or DecodeDots(cfg, dtype).integer_timings
+                measure = measure or DecodeDots(cfg, dtype, kernel).integer_timings
                 timings = {str(r): measure(r) for r in INTEGER_CANDIDATES}
             except Exception as e:  # noqa: BLE001 — converted dots, as without integer dots
                 log.warning("could not time int8's integer dots here (%s): converted dots", e)
@@ -117,19 +119,20 @@ def most_integer_rows(timings: dict) -> int:
 
 
 def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: int = 0,
-                        reps: int = 3) -> dict[str, float]:
+                        reps: int = 3, kernel=None) -> dict[str, float]:
     """Milliseconds (best of `reps`) of the layers' matrices and the output layer on `rows` rows,
-    in `dtype` and in int8 (integer dots up to `integer_rows` rows), scaled to the whole model."""
-    dots = DecodeDots(cfg, dtype)
+    in `dtype` and in int8 (integer dots up to `integer_rows` rows, by `kernel`), scaled to the
+    whole model."""
+    dots = DecodeDots(cfg, dtype, kernel)
     return {"none": dots.float_ms(rows, reps), "int8": dots.int8_ms(rows, integer_rows, reps)}
 
 
 class DecodeDots:
     """Random weights of a decode step's dots in `cfg`'s shapes, at most `MAX_TIMED_BYTES` of the
     layers and of the output layer each, made in `dtype` or in int8 when first timed; times scale
-    to the whole model."""
+    to the whole model. int8's integer dots are computed by `kernel` (None: XLA's)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str):
+    def __init__(self, cfg: ModelConfig, dtype: str, kernel=None):
         d, layer = cfg.hidden_size, layer_matrices(cfg)
         per_layer = sum(a * b for a, b in layer)
         most = max(1, min(cfg.num_layers, MAX_TIMED_BYTES // (4 * per_layer)))
@@ -139,6 +142,7 @@ class DecodeDots:
         self.stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
         self.head = rng.standard_normal((vocab, d), np.float32) * 0.02
         self.d, self.dtype, self.shares = d, dtype, (most / cfg.num_layers, vocab / cfg.vocab_size)
+        self.kernel = kernel
 
     @functools.cached_property
     def float_parts(self):
@@ -155,7 +159,8 @@ class DecodeDots:
 
     def int8_ms(self, rows: int, integer_rows: int, reps: int) -> float:
         blocks = self.block if jax.default_backend() == "cpu" else 0  # as resources.resolve_quantization
-        quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows)
+        quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows,
+                        self.kernel if integer_rows else None)
         fns = [lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)),
                lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:])]
         return self._ms(fns, self.int8_parts, rows, reps)

@@ -1,0 +1,252 @@
+// int8's integer dots on a CPU, as an XLA FFI handler (jaxserve/cpu_kernels/int8_dot.py builds it).
+//
+// XLA:CPU converts a whole int8 operand before a float dot, and its own integer dot reads Gemma 3's
+// output layer at a third of the memory's speed, bound by its arithmetic (docs/quantization.md).
+// This reads each int8 weight once, from memory, for every row of the step:
+//
+//   out[r, n] = float(sum_k value[r, k] * w[k, n]) * row_scale[r] * scale[n]
+//
+// value is the row rounded to 15 bits as jaxserve.model.quantization.split_rows rounds it
+// (|value| <= 127 * 128, row_scale = max |x_r| / (127 * 128)), so the sums are the integer dot
+// of the split rows, exact in int32 over up to kChunk k's (kChunk * 127 * 16256 < 2^31) and
+// added in float32 beyond. `transposed`: w is [N, K] (a tied embedding as the output layer),
+// else [K, N] (the layers' matrices). K and N are multiples of 16; the caller checks.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kChunk = 1024;
+constexpr int64_t kAhead = 4;
+constexpr int64_t kWidth = 512;  // columns of a piece of w [K, N]: four rows' sums in 8 KiB
+constexpr float kLevels = 127 * 128;
+
+struct Dot {
+  const int16_t* value;  // [R, K]
+  const float* row_scale;  // [R]
+  const int8_t* w;
+  const float* scale;  // [N]
+  float* out;  // [R, N]
+  int64_t rows, k, n;
+};
+
+void round_rows(const float* x, int64_t rows, int64_t k, int16_t* value, float* row_scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * k;
+    float most = 0;
+    for (int64_t i = 0; i < k; ++i) most = std::max(most, std::fabs(row[i]));
+    float s = most / kLevels;
+    s = s == 0 ? 1.0f : s;
+    for (int64_t i = 0; i < k; ++i) value[r * k + i] = static_cast<int16_t>(std::nearbyint(row[i] / s));
+    row_scale[r] = s;
+  }
+}
+
+// Runs body(piece) for piece in [0, pieces) on the calling thread and the pool's. A task that
+// starts after every piece is taken returns without touching `body`, so the caller waits only for
+// the pieces, not for tasks the pool has not started yet.
+template <typename Body>
+void parallel_for(ffi::ThreadPool& pool, int64_t pieces, const Body& body) {
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), pieces) - 1;
+  if (helpers <= 0) {
+    for (int64_t p = 0; p < pieces; ++p) body(p);
+    return;
+  }
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto work = [counters, pieces, &body] {
+    for (int64_t p; (p = counters->next.fetch_add(1)) < pieces;) {
+      body(p);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
+  work();
+  while (counters->done.load(std::memory_order_acquire) < pieces) {
+#if defined(__AVX2__)
+    _mm_pause();
+#endif
+  }
+}
+
+#if defined(__AVX2__)
+
+int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// w [N, K]: NB outputs at a time, each a dot of K contiguous weights with RR rows.
+template <int RR, int NB>
+void transposed_outputs(const Dot& d, int64_t r0, int64_t n) {
+  float sums[RR][NB] = {};
+  for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
+    int64_t k1 = std::min(d.k, k0 + kChunk);
+    __m256i acc[RR][NB];
+    for (int r = 0; r < RR; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_si256();
+    for (int64_t i = k0; i < k1; i += 16) {
+      __m256i w[NB];
+      for (int j = 0; j < NB; ++j)
+        w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d.w + (n + j) * d.k + i)));
+      for (int r = 0; r < RR; ++r) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d.value + (r0 + r) * d.k + i));
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(w[j], x));
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int j = 0; j < NB; ++j) sums[r][j] += static_cast<float>(sum_lanes(acc[r][j]));
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int j = 0; j < NB; ++j) d.out[(r0 + r) * d.n + n + j] = sums[r][j] * d.row_scale[r0 + r] * d.scale[n + j];
+}
+
+// w [K, N]: a piece of at most kWidth columns, its sums kept in cache while k runs down the rows,
+// each row's piece read as one contiguous run; each pair of k's interleaved into the 16-bit pairs
+// that _mm256_madd_epi16 sums, against the row's two values broadcast.
+template <int RR>
+void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
+  alignas(32) int32_t acc[RR][kWidth];
+  int64_t width = c1 - c0;
+  for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
+    int64_t k1 = std::min(d.k, k0 + kChunk);
+    std::memset(acc, 0, sizeof acc);
+    for (int64_t i = k0; i < k1; i += 2) {
+      __m256i x[RR];
+      for (int r = 0; r < RR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, d.value + (r0 + r) * d.k + i, sizeof pair);
+        x[r] = _mm256_set1_epi32(pair);
+      }
+      const int8_t* row = d.w + i * d.n + c0;
+      for (int64_t c = 0; c < width; c += 16) {
+        if (c % 64 == 0) {  // the rows kAhead pairs down, each piece's run too short for the hardware's prefetch
+          _mm_prefetch(reinterpret_cast<const char*>(row + 2 * kAhead * d.n + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(row + (2 * kAhead + 1) * d.n + c), _MM_HINT_T0);
+        }
+        __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+        __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d.n + c)));
+        __m256i lo = _mm256_unpacklo_epi16(a, b);  // columns 0-3 and 8-11 of the 16
+        __m256i hi = _mm256_unpackhi_epi16(a, b);  // columns 4-7 and 12-15
+        for (int r = 0; r < RR; ++r) {
+          __m256i* sums = reinterpret_cast<__m256i*>(acc[r] + c);
+          sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(lo, x[r]));
+          sums[1] = _mm256_add_epi32(sums[1], _mm256_madd_epi16(hi, x[r]));
+        }
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int64_t c = 0; c < width; c += 16) {
+        const __m256i* sums = reinterpret_cast<const __m256i*>(acc[r] + c);
+        float* out = d.out + (r0 + r) * d.n + c0 + c;
+        __m256 a = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(sums[0], sums[1], 0x20));  // columns 0-7
+        __m256 b = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(sums[0], sums[1], 0x31));  // 8-15
+        if (k0 > 0) {
+          a = _mm256_add_ps(a, _mm256_loadu_ps(out));
+          b = _mm256_add_ps(b, _mm256_loadu_ps(out + 8));
+        }
+        _mm256_storeu_ps(out, a);
+        _mm256_storeu_ps(out + 8, b);
+      }
+  }
+  for (int r = 0; r < RR; ++r) {
+    float* out = d.out + (r0 + r) * d.n + c0;
+    for (int64_t j = 0; j < width; ++j) out[j] = out[j] * d.row_scale[r0 + r] * d.scale[c0 + j];
+  }
+}
+
+template <int RR>
+void transposed_rows(const Dot& d, int64_t r0, int64_t n0, int64_t n1) {
+  constexpr int NB = 1;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) transposed_outputs<RR, NB>(d, r0, n);
+  for (; n < n1; ++n) transposed_outputs<RR, 1>(d, r0, n);
+}
+
+// Rows in groups of at most four, each group reading the piece's weights (from cache after the first).
+void piece(const Dot& d, bool transposed, int64_t n0, int64_t n1) {
+  for (int64_t r0 = 0; r0 < d.rows; r0 += 4) {
+    switch (std::min<int64_t>(4, d.rows - r0)) {
+      case 1: transposed ? transposed_rows<1>(d, r0, n0, n1) : column_rows<1>(d, r0, n0, n1); break;
+      case 2: transposed ? transposed_rows<2>(d, r0, n0, n1) : column_rows<2>(d, r0, n0, n1); break;
+      case 3: transposed ? transposed_rows<3>(d, r0, n0, n1) : column_rows<3>(d, r0, n0, n1); break;
+      default: transposed ? transposed_rows<4>(d, r0, n0, n1) : column_rows<4>(d, r0, n0, n1); break;
+    }
+  }
+}
+
+#else  // portable loops, for CPUs without AVX2
+
+void piece(const Dot& d, bool transposed, int64_t n0, int64_t n1) {
+  for (int64_t r = 0; r < d.rows; ++r)
+    for (int64_t n = n0; n < n1; ++n) {
+      float sum = 0;
+      for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
+        int32_t acc = 0;
+        for (int64_t i = k0; i < std::min(d.k, k0 + kChunk); ++i)
+          acc += int32_t{d.value[r * d.k + i]} * (transposed ? d.w[n * d.k + i] : d.w[i * d.n + n]);
+        sum += static_cast<float>(acc);
+      }
+      d.out[r * d.n + n] = sum * d.row_scale[r] * d.scale[n];
+    }
+}
+
+#endif
+
+ffi::Error int8_dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out,
+                    bool transposed) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() < 2 || wd.size() > 3 || index.element_count() != 1)
+    return ffi::Error::InvalidArgument("int8_dot: x must be a matrix, w a matrix or a stack of them, index a scalar");
+  int64_t stack = wd.size() == 3 ? wd[0] : 1, layer = *index.typed_data();
+  int64_t rows = xd[0], k = xd[1], n = transposed ? wd[wd.size() - 2] : wd[wd.size() - 1];
+  if ((transposed ? wd[wd.size() - 1] : wd[wd.size() - 2]) != k || k % 16 || n % 16 ||
+      scale.element_count() != stack * n || layer < 0 || layer >= stack)
+    return ffi::Error::InvalidArgument("int8_dot: shapes do not match, K or N is not a multiple of 16, or the "
+                                       "index is out of the stack");
+  std::vector<int16_t> value(rows * k);
+  std::vector<float> row_scale(rows);
+  round_rows(x.typed_data(), rows, k, value.data(), row_scale.data());
+  Dot d{value.data(), row_scale.data(), w.typed_data() + layer * k * n, scale.typed_data() + layer * n,
+        out->typed_data(), rows, k, n};
+  // Pieces of whole 16-column groups, a multiple of the threads: of w [N, K] about 64 KiB of
+  // weights each, of w [K, N] as wide as kWidth allows (each row's piece is one contiguous read).
+  int64_t groups = n / 16, threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t pieces = transposed ? n * k / (64 << 10) : (n + kWidth - 1) / kWidth;
+  pieces = std::min(groups, (std::max(pieces, threads) + threads - 1) / threads * threads);
+  parallel_for(pool, pieces, [&](int64_t p) {
+    piece(d, transposed, 16 * (groups * p / pieces), 16 * (groups * (p + 1) / pieces));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Dot, int8_dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("transposed"));

@@ -1,0 +1,123 @@
+"""int8's CPU kernel (jaxserve/cpu_kernels/int8_dot.cc): against a float64 numpy reference of the
+15-bit integer dot it computes, against XLA's integer dots of split rows (`Int8Dot` without it),
+in an engine's steps, and its build."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import Engine, EngineConfig, SamplingParams
+from jaxserve.cpu_kernels import int8_dot
+from jaxserve.engine import resources
+from jaxserve.model.loader import cache_root, load_model
+from jaxserve.model.quantization import GROUP, Int8Dot, quantize, with_outliers
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel, why = int8_dot.load(cache_root())
+    assert kernel is not None, why
+    return kernel
+
+
+def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, transposed: bool) -> np.ndarray:
+    """float64: each row of x rounded to 15 bits (a scale of its largest / (127 * 128)), times the int8
+    matrix, times the scales of rows and columns."""
+    x = np.asarray(x, np.float32)
+    row_scale = np.abs(x).max(axis=1, keepdims=True) / np.float32(127 * 128)
+    value = np.round(x / row_scale).astype(np.float64)
+    w = np.asarray(q, np.float64)
+    return (value @ (w.T if transposed else w)) * row_scale * np.asarray(scale, np.float64).reshape(1, -1)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+def test_the_kernel_equals_a_float64_reference_of_the_15_bit_integer_dot(kernel, transposed, rows):
+    rng = np.random.default_rng(rows)
+    k, n = 48, 80
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    q = rng.integers(-127, 128, (n, k) if transposed else (k, n), dtype=np.int8)
+    scale = rng.uniform(1e-3, 1e-2, n).astype(np.float16)
+    got = np.asarray(jax.jit(kernel, static_argnums=3)(x, q, scale, transposed))
+    want = reference(x, q, scale, transposed)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_sums_beyond_int32_are_exact_in_their_chunks(kernel, transposed):
+    """1,056 products of 127 and 16,256 sum to 2.18e9, past int32: the kernel sums 1,024 at a time."""
+    k, n = 1056, 16
+    x = np.ones((2, k), np.float32)
+    x[1, ::2] = -1
+    q = np.full((n, k) if transposed else (k, n), 127, np.int8)
+    scale = np.ones(n, np.float16)
+    got = np.asarray(kernel(x, q, scale, transposed))
+    want = reference(x, q, scale, transposed)
+    assert k * 127 * (127 * 128) > 2**31 and np.isclose(want[0, 0], k * 127)  # each value 16,256 at a scale of 1/16,256
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_stack_is_read_at_its_index(kernel):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    stack = rng.integers(-127, 128, (3, 32, 64), dtype=np.int8)
+    scales = rng.uniform(1e-3, 1e-2, (3, 1, 64)).astype(np.float16)
+    call = jax.jit(lambda x, w, s, i: kernel(x, w, s, False, i))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(call(x, stack, scales, i)), np.asarray(kernel(x, stack[i], scales[i], False)))
+    with pytest.raises(Exception, match="index is out of the stack"):
+        jax.block_until_ready(call(x, stack, scales, 3))
+
+
+def test_int8_dots_by_the_kernel_equal_xlas_integer_dots(kernel):
+    """The kernel is an implementation of `Int8Dot`'s integer dots: the same values up to the order of
+    float32 sums, for the layers' matrices and both layouts of the output layer; rows past
+    `integer_rows` still convert."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
+    dense = quantize(w, 0, None)
+    untied = with_outliers(*quantize(w, 0, GROUP), 0, 8)
+    tied = with_outliers(*quantize(w.T, 1, GROUP), 1, 8)
+    xla, ours = (Int8Dot("int8", "float32", 64, None, 8, 4, k) for k in (None, kernel))
+    for rows in (1, 4, 7):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        for dot in (lambda d: d.dense(x, *dense), lambda d: d.output_layer(x, *untied[:2], False, *untied[2:]),
+                    lambda d: d.output_layer(x, *tied[:2], True, *tied[2:])):
+            want = np.asarray(jax.jit(lambda x: dot(xla))(x))
+            got = np.asarray(jax.jit(lambda x: dot(ours))(x))
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(checkpoints, kernel, monkeypatch):
+    cfg, weights, tokenizer = load_model(checkpoints("gemma3"))[:3]
+    config = EngineConfig(dtype="float32", quantization="int8", max_slots=4, page_size=8, num_pages=64,
+                          max_model_len=128)
+    prompts = [[5, 17, 40, 9], list(range(3, 30)), [7] * 11]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(resources, "planned_integer_rows", lambda *a, **kw: (4, "integer dots up to 4 rows"))
+    engine = Engine(cfg, weights, tokenizer, config)
+    assert engine.runner.quant.kernel == kernel and "(a CPU kernel)" in engine.describe()
+    jitted, args = engine.runner.program(next(k for k in engine.runner.all_programs() if k[0] == "sample"))
+    assert int8_dot.TARGET in jitted.lower(*args).as_text()
+    got = engine.generate(prompts, greedy)
+    monkeypatch.setattr(resources, "load_int8_kernel", lambda folder: (None, "no kernel"))
+    xla = Engine(cfg, weights, tokenizer, config)
+    assert xla.runner.quant.kernel is None and xla.runner.quant.integer_rows == 4
+    assert [o.token_ids for o in got] == [o.token_ids for o in xla.generate(prompts, greedy)]
+
+
+def test_the_build_is_kept_and_a_missing_compiler_leaves_xlas_dots(tmp_path, monkeypatch):
+    path = int8_dot.build(cache_root())
+    assert os.path.basename(path) == int8_dot.load(cache_root())[0].library
+    built = os.stat(path).st_mtime_ns
+    assert int8_dot.build(cache_root()) == path and os.stat(path).st_mtime_ns == built  # read back, not rebuilt
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    kernel, why = int8_dot.load(str(tmp_path))
+    assert kernel is None and "no C++ compiler (no-such-compiler)" in why
