@@ -165,12 +165,12 @@ def main(argv=None) -> None:
         model = Transformer(cfg, model_weights, jnp.dtype(args.dtype), quant=quant)
         scores[mode] = text_scores(model, ids)  # thousands of rows: converted dots
         engine = Engine(cfg, weights, tokenizer, config, model_name=name)
-        integer = quant is not None and quant.integer_rows > 0
+        integer = quant is not None and max(quant.integer_rows, quant.output_integer_rows) > 0
         tokens[mode] = greedy(engine, together=integer)
         if integer:  # int8's integer dots, which the engine's steps of up to `integer_rows` rows run
             tokens[INTEGER] = greedy(engine)
             model.quant = model.layers.attn.quant = model.layers.mlp.quant = dataclasses.replace(
-                quant, integer_rows=len(ids))  # each row is split and scaled alone: the same values at any count
+                quant, integer_rows=len(ids), output_integer_rows=len(ids))  # each row is split and scaled alone: the same values at any count
             scores[INTEGER] = text_scores(model, ids)
         del engine
     modes += [INTEGER] if INTEGER in scores else []

@@ -101,7 +101,7 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
                           max_model_len=128)
     prompts = [[5, 17, 40, 9], list(range(3, 30)), [7] * 11]
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    monkeypatch.setattr(resources, "planned_integer_rows", lambda *a, **kw: (4, "integer dots up to 4 rows"))
+    monkeypatch.setattr(resources, "planned_integer_rows", lambda *a, **kw: ((4, 8), "integer dots up to 4 and 8 rows"))
     engine = Engine(cfg, weights, tokenizer, config)
     assert engine.runner.quant.kernel == kernel and "(a CPU kernel)" in engine.describe()
     jitted, args = engine.runner.program(next(k for k in engine.runner.all_programs() if k[0] == "sample"))
@@ -109,7 +109,7 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
     got = engine.generate(prompts, greedy)
     monkeypatch.setattr(resources, "load_int8_kernel", lambda folder: (None, "no kernel"))
     xla = Engine(cfg, weights, tokenizer, config)
-    assert xla.runner.quant.kernel is None and xla.runner.quant.integer_rows == 4
+    assert xla.runner.quant.kernel is None and (xla.runner.quant.integer_rows, xla.runner.quant.output_integer_rows) == (4, 8)
     assert [o.token_ids for o in got] == [o.token_ids for o in xla.generate(prompts, greedy)]
 
 

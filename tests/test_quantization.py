@@ -274,24 +274,30 @@ def test_auto_takes_int8_only_where_it_is_clearly_faster_and_never_fails(timings
         assert auto_quantization(cfg, "float32", 1, str(tmp_path / "plans.json"), None) == (mode, why)
 
 
-@pytest.mark.parametrize("timings,chosen", [
-    # ms (converted, integer) at 1, 2, 4 and 8 rows
-    ({1: (10.0, 10.2), 2: (20.0, 12.0), 4: (30.0, 25.0), 8: (40.0, 60.0)}, 4),  # a tie at 1 (AVX2 only)
-    ({1: (28.0, 22.0), 2: (26.6, 25.7), 4: (30.0, 45.0), 8: (39.5, 20.0)}, 1),  # then slower at 4: 8 is not reached
-    ({1: (10.0, 20.0), 2: (20.0, 5.0), 4: (30.0, 5.0), 8: (40.0, 5.0)}, 0),  # slower at one row
-    ({1: (0.10, 0.05), 2: (0.12, 0.06), 4: (0.15, 0.07), 8: (0.2, 0.1)}, 0),  # a tiny model: under a millisecond
-    (RuntimeError("no measurement"), 0)])
-def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_faster(timings, chosen, tmp_path,
+FASTER, TIE, SLOWER = (20.0, 10.0), (10.0, 10.2), (10.0, 30.0)  # ms (converted, integer)
+TINY = (0.2, 0.1)  # a tiny model's: under a millisecond apart
+
+
+@pytest.mark.parametrize("timings,chosen,asked", [
+    # per part, (converted, integer) ms at 1, 2, 4, ... rows; what is chosen, and the rows each part was timed at
+    ({"layers": [TIE, FASTER, FASTER, SLOWER], "output layer": [FASTER] * 7}, (4, 64), (4, 7)),  # a tie at 1 row
+    ({"layers": [SLOWER], "output layer": [FASTER] * 5 + [SLOWER]}, (0, 16), (1, 6)),  # slower at one row
+    ({"layers": [FASTER, SLOWER], "output layer": [FASTER, TIE, SLOWER]}, (1, 1), (2, 3)),  # 8 rows not reached
+    ({"layers": [TINY] * 7, "output layer": [TINY] * 7}, (0, 0), (7, 7)),
+    (RuntimeError("no measurement"), (0, 0), None)])
+def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_faster(timings, chosen, asked, tmp_path,
                                                                                     monkeypatch):
     from jaxserve.model.config import ModelConfig
     from jaxserve.worker import quantization_plan
-    measured = []
+    candidates = quantization_plan.INTEGER_CANDIDATES
+    measured = {part: [] for part in quantization_plan.PARTS}
 
-    def measure(rows):
-        measured.append(rows)
+    def measure(rows, parts):
         if isinstance(timings, Exception):
             raise timings
-        return dict(zip(("converted", "integer"), timings[rows]))
+        for part in parts:
+            measured[part].append(rows)
+        return {part: dict(zip(("converted", "integer"), timings[part][candidates.index(rows)])) for part in parts}
     cfg = ModelConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
                       num_kv_heads=1, head_dim=256, max_position_embeddings=128)  # Gemma 3 270M's shapes
     tiny = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -303,20 +309,22 @@ def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_fast
     if isinstance(timings, Exception):
         assert "could not be timed" in why
         return
-    assert why.startswith(f"integer dots up to {chosen} rows" if chosen else "converted dots")
-    assert measured == list(quantization_plan.INTEGER_CANDIDATES)
+    for part, most in zip(quantization_plan.PARTS, chosen):
+        assert (f"{part} up to {most} rows" if most else f"{part} converted") in why
+    assert tuple(len(measured[part]) for part in quantization_plan.PARTS) == asked  # settled parts are timed no more
+    assert all(measured[part] == list(candidates[:len(measured[part])]) for part in measured)
     assert quantization_plan.integer_rows(cfg, "float32", plans, measure) == (rows, why)  # once per process
     monkeypatch.setattr(quantization_plan, "_chosen", {})  # a new process reads the file
     assert quantization_plan.integer_rows(cfg, "float32", plans, measure) == (rows, why)
-    assert len(measured) == len(quantization_plan.INTEGER_CANDIDATES)
-    assert quantization_plan.integer_rows(tiny, "float32", plans, measure)[0] == 0  # not timed: too small
+    assert tuple(len(measured[part]) for part in quantization_plan.PARTS) == asked
+    assert quantization_plan.integer_rows(tiny, "float32", plans, measure)[0] == (0, 0)  # not timed: too small
     with monkeypatch.context() as m:  # each process of a multi-host group would choose its own
         m.setattr(jax, "process_count", lambda: 2)
         m.setattr(quantization_plan, "_chosen", {})
-        assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == 0
+        assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == (0, 0)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # XLA fuses the conversion there
-    assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == 0
-    assert len(measured) == len(quantization_plan.INTEGER_CANDIDATES)
+    assert quantization_plan.integer_rows(cfg, "float32", plans, measure)[0] == (0, 0)
+    assert tuple(len(measured[part]) for part in quantization_plan.PARTS) == asked
 
 
 def test_describe_says_what_is_quantized_and_the_bytes_held(models):

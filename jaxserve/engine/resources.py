@@ -121,7 +121,7 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
     mode, reason = config.quantization, "asked for" if config.quantization else "the default"
     cpu = jax.default_backend() == "cpu"
     plans = os.path.join(cache_root(), "quantization_plans.json")
-    integer_rows, integer_reason, kernel = 0, "", None
+    integer_rows, integer_reason, kernel = (0, 0), "", None  # the layers', the output layer's
     if mode in ("int8", "auto"):
         if cpu and mesh is None:  # XLA cannot partition the kernel's call: under a mesh, XLA's dots
             kernel, why_not = load_int8_kernel(cache_root())
@@ -138,8 +138,8 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
-    quant = Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows,  # w8a8: 0
-                    kernel if integer_rows else None)
+    quant = Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows[0],  # w8a8: 0
+                    kernel if any(integer_rows) else None, integer_rows[1])
     return quant, f"{reason}; {integer_reason}" if integer_reason else reason
 
 

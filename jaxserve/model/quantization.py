@@ -143,7 +143,8 @@ class Int8Dot:
     under a mesh) and its input channels kept in float (`outliers`). `integer_rows`: int8's dots of
     at most that many rows as integer dots of the activations split in two int8 rows each
     (`split_rows`; on a CPU as many as measured faster there, `quantization_plan.integer_rows`,
-    as XLA:CPU converts a whole int8 operand before a float dot; 0: none). `kernel`: a CPU kernel
+    as XLA:CPU converts a whole int8 operand before a float dot; 0: none); the output layer's up
+    to `output_integer_rows` (None: as the layers'). `kernel`: a CPU kernel
     computing those integer dots (`jaxserve.cpu_kernels.int8_dot`, injected: the model imports no
     kernel), called for the matrices it `fits`; None: XLA's integer dot."""
 
@@ -154,20 +155,26 @@ class Int8Dot:
     outliers: int = 0
     integer_rows: int = 0
     kernel: Callable | None = None
+    output_integer_rows: int | None = None
 
     def __post_init__(self):
         if self.mode == "w8a8" and self.group is not None:
             raise ValueError("w8a8's integer dots take one weight scale per output channel (group=None)")
-        if self.integer_rows and (self.mode != "int8" or self.group is not None):
+        if self.output_integer_rows is None:
+            object.__setattr__(self, "output_integer_rows", self.integer_rows)
+        integer = max(self.integer_rows, self.output_integer_rows)
+        if integer and (self.mode != "int8" or self.group is not None):
             raise ValueError("int8's integer dots take one weight scale per output channel (group=None)")
-        if self.kernel is not None and not self.integer_rows:
+        if self.kernel is not None and not integer:
             raise ValueError("a kernel computes integer dots: it needs integer_rows")
 
     def describe(self) -> str:
         scales = "one per output channel" if self.group is None else f"one per {self.group} weights of a dot's inputs"
         kernel = " (a CPU kernel)" if self.kernel is not None else ""
-        how = (f"int8, up to {self.integer_rows} rows integer dots{kernel} of the activations rounded to 15 "
-               f"bits, int32 sums, else read in {self.compute_dtype}" if self.integer_rows
+        rows = (f"{self.integer_rows} rows" if self.integer_rows == self.output_integer_rows else
+                f"{self.integer_rows} rows in the layers and {self.output_integer_rows} in the output layer")
+        how = (f"int8, up to {rows} integer dots{kernel} of the activations rounded to 15 "
+               f"bits, int32 sums, else read in {self.compute_dtype}" if self.integer_rows or self.output_integer_rows
                else f"int8, read in {self.compute_dtype}" if self.mode == "int8"
                else "w8a8: int8 activations (one scale a token), int32 sums")
         scales += ", the layers rounded by GPTQ" if self.mode == "int8" and self.group is None else ""
@@ -178,7 +185,7 @@ class Int8Dot:
 
     def dense(self, x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
         """x [..., K] @ w [K, N] in float32, w = dequantize(q, scale, axis=0)."""
-        return self._dot(x, q, scale, 0, (((x.ndim - 1,), (0,)), ((), ())))
+        return self._dot(x, q, scale, 0, (((x.ndim - 1,), (0,)), ((), ())), self._integer_at(x, self.integer_rows))
 
     def output_layer(self, x: jax.Array, q: jax.Array, scale: jax.Array, tied: bool,
                      channels: jax.Array | None = None, kept: jax.Array | None = None) -> jax.Array:
@@ -190,12 +197,13 @@ class Int8Dot:
         outliers = None if channels is None else \
             jax.lax.dot_general(x[:, channels], kept, dims, preferred_element_type=jnp.float32)  # int8 holds 0 there
         n, rows = q.shape[vocab], self.block_rows
-        if self.mode == "w8a8" or self._integer_at(x) or not rows or rows >= n:  # integer dots read int8 as it is
-            logits = self._dot(x, q, scale, contracted, dims)
+        integer = self._integer_at(x, self.output_integer_rows)
+        if self.mode == "w8a8" or integer or not rows or rows >= n:  # integer dots read int8 as it is
+            logits = self._dot(x, q, scale, contracted, dims, integer)
         else:
             def block(b):  # one block of the vocabulary, converted while it is in cache
                 part = (jax.lax.dynamic_slice_in_dim(a, b * rows, rows, vocab) for a in (q, scale))
-                return self._dot(x, *part, contracted, dims)
+                return self._dot(x, *part, contracted, dims, False)
             out = jax.lax.map(block, jnp.arange(n // rows))  # [blocks, R, rows]
             logits = out.transpose(1, 0, 2).reshape(x.shape[0], n)
         return logits if outliers is None else logits + outliers
@@ -209,18 +217,20 @@ class Int8Dot:
         rows = (rows.reshape(t, scales.shape[1], -1) * scales[..., None]).reshape(t, d)
         return rows if channels is None else rows.at[:, channels].set(kept[tokens])
 
-    def _integer_at(self, x: jax.Array) -> bool:
-        return np.prod(x.shape[:-1]) <= self.integer_rows
+    @staticmethod
+    def _integer_at(x: jax.Array, most_rows: int) -> bool:
+        return np.prod(x.shape[:-1]) <= most_rows
 
-    def _dot(self, x, q, scale, axis: int, dims):
-        """x contracted with q along q's `axis` (dims: dot_general's), scaled."""
+    def _dot(self, x, q, scale, axis: int, dims, integer: bool):
+        """x contracted with q along q's `axis` (dims: dot_general's), scaled; an integer dot of
+        split rows if `integer`."""
         per_channel = scale.shape[axis] == 1  # the scale applies to the output columns
         out_scale = jnp.squeeze(scale, axis).astype(jnp.float32) if per_channel else None
         if self.mode == "w8a8":
             xq, xs = quantize_rows(x)
             acc = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
             return acc.astype(jnp.float32) * xs * out_scale
-        if self._integer_at(x):
+        if integer:
             flat, transposed = x.reshape(-1, x.shape[-1]), axis == 1  # q [N, K], else [K, N]
             if self.kernel is not None and self.kernel.fits(q.shape[axis], q.shape[1 - axis]):
                 return self.kernel(flat, q, scale, transposed).reshape(*x.shape[:-1], -1)

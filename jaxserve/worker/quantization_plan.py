@@ -42,19 +42,21 @@ from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 FORM = "int8 layers per channel, output layer with float channels"  # the int8 dots timed: a new form times again
-INTEGER_CANDIDATES = (1, 2, 4, 8)  # row counts at which integer and converted dots are timed
+INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # row counts at which integer and converted dots are timed
+PARTS = ("layers", "output layer")  # of a step's dots, each with its own integer rows
 MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
 _chosen: dict[str, int] = {}  # integer rows chosen in this process, by key: one choice per process
 
 
 def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, measure=None,
-                      integer_rows: int = 0, kernel=None) -> tuple[str | None, str]:
+                      integer_rows: tuple[int, int] = (0, 0), kernel=None) -> tuple[str | None, str]:
     """("int8" or None, why) for a model of `cfg` in `dtype` decoding `rows` rows at the least,
-    int8's dots integer dots up to `integer_rows` rows (by `kernel`, `Int8Dot.kernel`);
+    int8's dots integer dots up to `integer_rows` rows (the layers', the output layer's; by
+    `kernel`, `Int8Dot.kernel`);
     `measure(cfg, dtype, rows)` gives {"none": ms, "int8": ms} (default: `measure_decode_dots`).
     A measurement that fails leaves the weights float."""
-    kernel = kernel if integer_rows else None
-    key = _key(FORM, cfg, dtype, rows, integer_rows, *([kernel] if kernel else []))
+    kernel = kernel if any(integer_rows) else None
+    key = _key(FORM, cfg, dtype, rows, *integer_rows, *([kernel] if kernel else []))
     measure = measure or functools.partial(measure_decode_dots, integer_rows=integer_rows, kernel=kernel)
     saved = read_timings(cache_file)
     timings = saved.get(key)
@@ -72,65 +74,85 @@ def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, 
                   f"{timings['none']:.1f} ms in {dtype}, {timings['int8']:.1f} ms in int8")
 
 
-def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None, kernel=None) -> tuple[int, str]:
-    """(up to how many rows int8's dots are integer dots, why) for a model of `cfg` in `dtype`,
-    computed by `kernel` (`Int8Dot.kernel`; None: XLA's integer dot); `measure(rows)` gives
-    {"converted": ms, "integer": ms} at `rows` rows (default: `DecodeDots.integer_timings`). 0 on
-    GPUs and TPUs, in a multi-host group, and where the measurement fails."""
+def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None, kernel=None
+                 ) -> tuple[tuple[int, int], str]:
+    """((up to how many rows the layers' int8 dots are integer dots, the output layer's), why) for a
+    model of `cfg` in `dtype`, computed by `kernel` (`Int8Dot.kernel`; None: XLA's integer dot);
+    `measure(rows, parts)` gives {part: {"converted": ms, "integer": ms}} at `rows` rows for each of
+    `parts` (of `PARTS`; default: `DecodeDots.integer_timings`). 0 on GPUs and TPUs, in a multi-host
+    group, and where the measurement fails."""
     if jax.default_backend() != "cpu":
-        return 0, "XLA fuses int8's conversion into the dot here"
+        return (0, 0), "XLA fuses int8's conversion into the dot here"
     if jax.process_count() > 1:  # each process would time its own: a group's programs must be the same
-        return 0, "converted dots: a multi-host group does not time them"
+        return (0, 0), "converted dots: a multi-host group does not time them"
     size = cfg.num_layers * sum(a * b for a, b in layer_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
     if size < MIN_TIMED_INT8_BYTES:
-        return 0, f"converted dots: {size / 2**20:.1f} MiB of int8 weights, too few to time"
+        return (0, 0), f"converted dots: {size / 2**20:.1f} MiB of int8 weights, too few to time"
     form = "integer dots of split rows" if kernel is None else f"integer dots by {kernel}"
-    key = _key(f"{form}, {FORM}", cfg, dtype, INTEGER_CANDIDATES)
+    key = _key(f"{form} per part, {FORM}", cfg, dtype, INTEGER_CANDIDATES)
     if key not in _chosen:
         saved = read_timings(cache_file)
         timings = saved.get(key)
-        if not (isinstance(timings, dict) and all(isinstance(timings.get(str(r)), dict) for r in INTEGER_CANDIDATES)):
+        if not (isinstance(timings, dict) and all(isinstance(timings.get(str(INTEGER_CANDIDATES[0]), {}).get(part), dict)
+                                                  for part in PARTS)):
             start = time.perf_counter()
             try:
-                measure = measure or DecodeDots(cfg, dtype, kernel).integer_timings
-                timings = {str(r): measure(r) for r in INTEGER_CANDIDATES}
+                timings = time_integer_dots(measure or DecodeDots(cfg, dtype, kernel).integer_timings)
             except Exception as e:  # noqa: BLE001 — converted dots, as without integer dots
                 log.warning("could not time int8's integer dots here (%s): converted dots", e)
-                return 0, f"int8's integer dots could not be timed here ({type(e).__name__}: {e})"
+                return (0, 0), f"int8's integer dots could not be timed here ({type(e).__name__}: {e})"
             log.info("timed int8's integer and converted dots in %.1f s", time.perf_counter() - start)
             write_timings(cache_file, {**read_timings(cache_file), key: timings})
-        _chosen[key] = most_integer_rows(timings)
+        _chosen[key] = tuple(most_integer_rows(timings, part) for part in PARTS)
     chosen = _chosen[key]
-    return chosen, (f"integer dots up to {chosen} rows" if chosen else "converted dots") + \
-        f": a decode step's dots at {', '.join(map(str, INTEGER_CANDIDATES))} rows measured here"
+    said = ", ".join(f"{part} up to {rows} rows" if rows else f"{part} converted" for part, rows in zip(PARTS, chosen))
+    return chosen, f"integer dots: {said}; a decode step's dots at {', '.join(map(str, INTEGER_CANDIDATES))} rows " \
+                   f"measured here"
 
 
-def most_integer_rows(timings: dict) -> int:
-    """The most candidate rows at which integer dots were clearly faster than converted ones, before
-    the first at which they were clearly slower (0: none)."""
+def time_integer_dots(measure) -> dict:
+    """{rows: {part: timings}} at each candidate row count, of the parts not yet settled (a part is
+    settled at the first count where its integer dots were clearly slower)."""
+    timings: dict = {}
+    for rows in INTEGER_CANDIDATES:
+        parts = [part for part in PARTS if not any(_slower(t.get(part)) for t in timings.values())]
+        if not parts:
+            break
+        timings[str(rows)] = measure(rows, parts)
+    return timings
+
+
+def most_integer_rows(timings: dict, part: str) -> int:
+    """The most candidate rows at which `part`'s integer dots were clearly faster than converted
+    ones, before the first at which they were clearly slower (0: none)."""
     most = 0
     for rows in INTEGER_CANDIDATES:
-        integer, converted = timings[str(rows)]["integer"], timings[str(rows)]["converted"]
-        if clearly_faster(converted, integer):
+        measured = timings.get(str(rows), {}).get(part)
+        if measured is None or _slower(measured):
             break
-        if clearly_faster(integer, converted):
+        if clearly_faster(measured["integer"], measured["converted"]):
             most = rows
     return most
 
 
-def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: int = 0,
+def _slower(measured: dict | None) -> bool:
+    return measured is not None and clearly_faster(measured["converted"], measured["integer"])
+
+
+def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: tuple[int, int] = (0, 0),
                         reps: int = 3, kernel=None) -> dict[str, float]:
     """Milliseconds (best of `reps`) of the layers' matrices and the output layer on `rows` rows,
-    in `dtype` and in int8 (integer dots up to `integer_rows` rows, by `kernel`), scaled to the
-    whole model."""
+    in `dtype` and in int8 (integer dots up to `integer_rows` rows in each part, by `kernel`),
+    scaled to the whole model."""
     dots = DecodeDots(cfg, dtype, kernel)
-    return {"none": dots.float_ms(rows, reps), "int8": dots.int8_ms(rows, integer_rows, reps)}
+    return {"none": sum(dots.float_ms(rows, reps).values()), "int8": sum(dots.int8_ms(rows, integer_rows, reps).values())}
 
 
 class DecodeDots:
     """Random weights of a decode step's dots in `cfg`'s shapes, at most `MAX_TIMED_BYTES` of the
-    layers and of the output layer each, made in `dtype` or in int8 when first timed; times scale
-    to the whole model. int8's integer dots are computed by `kernel` (None: XLA's)."""
+    layers and of the output layer each, made in `dtype` or in int8 when first timed; times are
+    per part (`PARTS`), scaled to the whole model. int8's integer dots are computed by `kernel`
+    (None: XLA's)."""
 
     def __init__(self, cfg: ModelConfig, dtype: str, kernel=None):
         d, layer = cfg.hidden_size, layer_matrices(cfg)
@@ -141,37 +163,39 @@ class DecodeDots:
         rng = np.random.default_rng(0)
         self.stacked = [rng.standard_normal((most, *shape), np.float32) * 0.02 for shape in layer]
         self.head = rng.standard_normal((vocab, d), np.float32) * 0.02
-        self.d, self.dtype, self.shares = d, dtype, (most / cfg.num_layers, vocab / cfg.vocab_size)
+        self.d, self.dtype, self.shares = d, dtype, dict(zip(PARTS, (most / cfg.num_layers, vocab / cfg.vocab_size)))
         self.kernel = kernel
 
     @functools.cached_property
     def float_parts(self):
-        return ([jnp.asarray(as_bits(w.astype(jnp.dtype(self.dtype)))) for w in self.stacked],
-                jnp.asarray(self.head, jnp.dtype(self.dtype)))
+        return dict(zip(PARTS, ([jnp.asarray(as_bits(w.astype(jnp.dtype(self.dtype)))) for w in self.stacked],
+                                jnp.asarray(self.head, jnp.dtype(self.dtype)))))
 
     @functools.cached_property
     def int8_parts(self):
-        return ([quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in self.stacked],
-                with_outliers(*quantize_on_device(jnp.asarray(self.head), 1, STORED["int8"]), 1, OUTLIERS["int8"]))
+        return dict(zip(PARTS, ([quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in self.stacked],
+                                with_outliers(*quantize_on_device(jnp.asarray(self.head), 1, STORED["int8"]), 1,
+                                              OUTLIERS["int8"]))))
 
-    def float_ms(self, rows: int, reps: int) -> float:
-        return self._ms([layer_dots, dense_transposed], self.float_parts, rows, reps)
+    def float_ms(self, rows: int, reps: int, parts=PARTS) -> dict[str, float]:
+        return self._ms(dict(zip(PARTS, (layer_dots, dense_transposed))), self.float_parts, rows, reps, parts)
 
-    def int8_ms(self, rows: int, integer_rows: int, reps: int) -> float:
+    def int8_ms(self, rows: int, integer_rows: tuple[int, int], reps: int, parts=PARTS) -> dict[str, float]:
         blocks = self.block if jax.default_backend() == "cpu" else 0  # as resources.resolve_quantization
-        quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows,
-                        self.kernel if integer_rows else None)
-        fns = [lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)),
-               lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:])]
-        return self._ms(fns, self.int8_parts, rows, reps)
+        quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows[0],
+                        self.kernel if any(integer_rows) else None, integer_rows[1])
+        fns = (lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)),
+               lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:]))
+        return self._ms(dict(zip(PARTS, fns)), self.int8_parts, rows, reps, parts)
 
-    def integer_timings(self, rows: int, reps: int = 3) -> dict[str, float]:
-        """Milliseconds of the int8 dots on `rows` rows as integer dots and as converted dots."""
-        return {"integer": self.int8_ms(rows, rows, reps), "converted": self.int8_ms(rows, 0, reps)}
+    def integer_timings(self, rows: int, parts=PARTS, reps: int = 3) -> dict[str, dict[str, float]]:
+        """{part: milliseconds of its int8 dots on `rows` rows as integer dots and as converted dots}."""
+        integer, converted = self.int8_ms(rows, (rows, rows), reps, parts), self.int8_ms(rows, (0, 0), reps, parts)
+        return {part: {"integer": integer[part], "converted": converted[part]} for part in parts}
 
-    def _ms(self, fns, parts, rows: int, reps: int) -> float:
-        return sum(best_ms(compile_dots(fn, rows, self.d, w), w, reps) / share
-                   for fn, w, share in zip(fns, parts, self.shares))
+    def _ms(self, fns: dict, weights: dict, rows: int, reps: int, parts) -> dict[str, float]:
+        return {part: best_ms(compile_dots(fns[part], rows, self.d, weights[part]), weights[part], reps) / self.shares[part]
+                for part in parts}
 
 
 def _key(form: str, cfg: ModelConfig, *rest) -> str:

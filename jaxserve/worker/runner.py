@@ -125,7 +125,7 @@ class Runner:
         # Each replica's slice is bucketed; a replica holds at most its share of the slots. XLA:CPU
         # runs a bfloat16 dot with one row 5-10x slower than with two, so no step has one row there
         # (int8's integer dots take each row as two already).
-        integer = model.quant is not None and model.quant.integer_rows > 0
+        integer = model.quant is not None and min(model.quant.integer_rows, model.quant.output_integer_rows) > 0
         one_row_trap = jax.default_backend() == "cpu" and self.dtype == "bfloat16" and not integer
         min_rows = config.min_rows or (2 if one_row_trap else 1)
         self.buckets = StepBuckets(max_tokens=config.max_num_batched_tokens,
