@@ -86,6 +86,19 @@ def test_a_changed_config_reuses_no_program(warm, llama_dir, change):
     assert other.runner.cache.load("sample-2-greedy") is None and other.runner.cache.rejected == 0
 
 
+def test_an_edit_to_any_of_the_engines_sources_reuses_no_program(tmp_path):
+    """The programs' key holds a digest of every Python file of the package, its subpackages too
+    (the model's files, not only the worker's beside the cache)."""
+    import jaxserve
+    assert compile_cache.PACKAGE == os.path.dirname(os.path.abspath(jaxserve.__file__))
+    package = tmp_path / "jaxserve"
+    shutil.copytree(compile_cache.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    before = compile_cache.source_digest.__wrapped__(str(package))
+    with open(package / "model" / "layers.py", "a") as f:
+        f.write("# an edit\n")
+    assert compile_cache.source_digest.__wrapped__(str(package)) != before
+
+
 def test_a_corrupt_or_truncated_entry_is_logged_and_recompiled(warm, llama_dir, cache_dir, caplog):
     fingerprint = warm.runner.cache.fingerprint
     files = sorted(f for f in os.listdir(os.path.join(cache_dir, "compiled")) if f.startswith(fingerprint))

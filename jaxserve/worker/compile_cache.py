@@ -40,10 +40,12 @@ def default_max_bytes() -> int:
     return int(os.environ.get("JAXSERVE_COMPILE_CACHE_MB", "2048")) << 20
 
 
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jaxserve/, every subpackage in it
+
+
 @functools.cache
-def source_digest() -> str:
+def source_digest(package: str = PACKAGE) -> str:
     """SHA-256 of jaxserve's Python sources: an edited engine never loads an older program."""
-    package = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(package)):
         dirs.sort()
