@@ -64,16 +64,11 @@ def test_sums_beyond_int32_are_exact_in_their_chunks(kernel, transposed):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_a_stack_is_read_at_its_index(kernel):
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((2, 32)).astype(np.float32)
-    stack = rng.integers(-127, 128, (3, 32, 64), dtype=np.int8)
-    scales = rng.uniform(1e-3, 1e-2, (3, 1, 64)).astype(np.float16)
-    call = jax.jit(lambda x, w, s, i: kernel(x, w, s, False, i))
-    for i in range(3):
-        np.testing.assert_array_equal(np.asarray(call(x, stack, scales, i)), np.asarray(kernel(x, stack[i], scales[i], False)))
-    with pytest.raises(Exception, match="index is out of the stack"):
-        jax.block_until_ready(call(x, stack, scales, 3))
+def test_a_matrix_the_kernel_does_not_read_is_an_error(kernel):
+    x = np.ones((2, 40), np.float32)  # K not a multiple of 16
+    with pytest.raises(Exception, match="not a multiple of 16"):
+        jax.block_until_ready(kernel(x, np.ones((40, 64), np.int8), np.ones(64, np.float16), False))
+    assert not kernel.fits(40, 64) and not kernel.fits(64, 40) and kernel.fits(48, 80)
 
 
 def test_int8_dots_by_the_kernel_equal_xlas_integer_dots(kernel):
@@ -104,8 +99,14 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
     monkeypatch.setattr(resources, "planned_integer_rows", lambda *a, **kw: ((4, 8), "integer dots up to 4 and 8 rows"))
     engine = Engine(cfg, weights, tokenizer, config)
     assert engine.runner.quant.kernel == kernel and "(a CPU kernel)" in engine.describe()
-    jitted, args = engine.runner.program(next(k for k in engine.runner.all_programs() if k[0] == "sample"))
-    assert int8_dot.TARGET in jitted.lower(*args).as_text()
+
+    def kernel_calls(key) -> list[str]:
+        jitted, args = engine.runner.program(key)
+        return [line for line in jitted.lower(*args).as_text().splitlines() if int8_dot.TARGET in line]
+    sample = next(key for key in engine.runner.all_programs() if key[0] == "sample")
+    assert len(kernel_calls(sample)) == 1  # the output layer
+    layers = kernel_calls(("forward", engine.runner.buckets.token_sizes[0]))
+    assert len(layers) == 4  # the layers' qkv, o, gate/up and down, once in the scan
     got = engine.generate(prompts, greedy)
     monkeypatch.setattr(resources, "load_int8_kernel", lambda folder: (None, "no kernel"))
     xla = Engine(cfg, weights, tokenizer, config)

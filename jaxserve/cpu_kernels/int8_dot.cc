@@ -212,22 +212,16 @@ void piece(const Dot& d, bool transposed, int64_t n0, int64_t n1) {
 #endif
 
 ffi::Error int8_dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out,
-                    bool transposed) {
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out, bool transposed) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() < 2 || wd.size() > 3 || index.element_count() != 1)
-    return ffi::Error::InvalidArgument("int8_dot: x must be a matrix, w a matrix or a stack of them, index a scalar");
-  int64_t stack = wd.size() == 3 ? wd[0] : 1, layer = *index.typed_data();
-  int64_t rows = xd[0], k = xd[1], n = transposed ? wd[wd.size() - 2] : wd[wd.size() - 1];
-  if ((transposed ? wd[wd.size() - 1] : wd[wd.size() - 2]) != k || k % 16 || n % 16 ||
-      scale.element_count() != stack * n || layer < 0 || layer >= stack)
-    return ffi::Error::InvalidArgument("int8_dot: shapes do not match, K or N is not a multiple of 16, or the "
-                                       "index is out of the stack");
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("int8_dot: x and w must be matrices");
+  int64_t rows = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
+  if ((transposed ? wd[1] : wd[0]) != k || k % 16 || n % 16 || scale.element_count() != n)
+    return ffi::Error::InvalidArgument("int8_dot: shapes do not match, or K or N is not a multiple of 16");
   std::vector<int16_t> value(rows * k);
   std::vector<float> row_scale(rows);
   round_rows(x.typed_data(), rows, k, value.data(), row_scale.data());
-  Dot d{value.data(), row_scale.data(), w.typed_data() + layer * k * n, scale.typed_data() + layer * n,
-        out->typed_data(), rows, k, n};
+  Dot d{value.data(), row_scale.data(), w.typed_data(), scale.typed_data(), out->typed_data(), rows, k, n};
   // Pieces of whole 16-column groups, a multiple of the threads: of w [N, K] about 64 KiB of
   // weights each, of w [K, N] as wide as kWidth allows (each row's piece is one contiguous read).
   int64_t groups = n / 16, threads = std::max<int64_t>(1, pool.num_threads());
@@ -247,6 +241,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Dot, int8_dot,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transposed"));
