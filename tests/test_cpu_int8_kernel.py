@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -122,3 +124,35 @@ def test_the_build_is_kept_and_a_missing_compiler_leaves_xlas_dots(tmp_path, mon
     monkeypatch.setenv("CXX", "no-such-compiler")
     kernel, why = int8_dot.load(str(tmp_path))
     assert kernel is None and "no C++ compiler (no-such-compiler)" in why
+
+
+PORTABLE = '''
+import sys
+import numpy as np
+from jaxserve.cpu_kernels import int8_dot
+int8_dot.FLAGS = tuple(f for f in int8_dot.FLAGS if not f.startswith("-march")) + ("-march=x86-64",)
+kernel, why = int8_dot.load(sys.argv[1])
+assert kernel is not None, why
+rng = np.random.default_rng(0)
+x = rng.standard_normal((5, 48)).astype(np.float32)
+for transposed in (False, True):
+    q = rng.integers(-127, 128, (80, 48) if transposed else (48, 80), dtype=np.int8)
+    scale = rng.uniform(1e-3, 1e-2, 80).astype(np.float16)
+    np.save(f"{sys.argv[1]}/{transposed}.npy", np.asarray(kernel(x, q, scale, transposed)))
+    np.savez(f"{sys.argv[1]}/{transposed}-inputs.npz", x=x, q=q, scale=scale)
+'''
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the portable build is checked on x86-64")
+def test_the_portable_loops_built_without_avx2_compute_the_same(tmp_path):
+    """Every CI machine has AVX2, so the loops for CPUs without it are built here for plain x86-64
+    (in a process of their own: one kernel is registered a process) and checked the same way."""
+    subprocess.run([sys.executable, "-c", PORTABLE, str(tmp_path)], check=True, timeout=300,
+                   env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert "__AVX2__" not in subprocess.run(["c++", "-march=x86-64", "-E", "-dM", "-x", "c++", "-"], input="",
+                                             capture_output=True, text=True, check=True).stdout
+    for transposed in (False, True):
+        inputs = np.load(tmp_path / f"{transposed}-inputs.npz")
+        want = reference(inputs["x"], inputs["q"], inputs["scale"], transposed)
+        got = np.load(tmp_path / f"{transposed}.npy")
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
