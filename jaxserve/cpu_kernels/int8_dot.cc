@@ -129,27 +129,29 @@ void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
   for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
     int64_t k1 = std::min(d.k, k0 + kChunk);
     std::memset(acc, 0, sizeof acc);
-    for (int64_t i = k0; i < k1; i += 2) {
-      __m256i x[RR];
-      for (int r = 0; r < RR; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, d.value + (r0 + r) * d.k + i, sizeof pair);
-        x[r] = _mm256_set1_epi32(pair);
-      }
+    for (int64_t i = k0; i < k1; i += 4) {  // two pairs of rows of w a pass: the sums read and written once
+      __m256i x[RR][2];
+      for (int r = 0; r < RR; ++r)
+        for (int p = 0; p < 2; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, d.value + (r0 + r) * d.k + i + 2 * p, sizeof pair);
+          x[r][p] = _mm256_set1_epi32(pair);
+        }
       const int8_t* row = d.w + i * d.n + c0;
       for (int64_t c = 0; c < width; c += 16) {
-        if (c % 64 == 0) {  // the rows kAhead pairs down, each piece's run too short for the hardware's prefetch
-          _mm_prefetch(reinterpret_cast<const char*>(row + 2 * kAhead * d.n + c), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(row + (2 * kAhead + 1) * d.n + c), _MM_HINT_T0);
+        if (c % 64 == 0)  // the rows kAhead passes down: each piece's run is too short for the hardware's prefetch
+          for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + (4 * kAhead + j) * d.n + c), _MM_HINT_T0);
+        __m256i lo[2], hi[2];
+        for (int p = 0; p < 2; ++p) {
+          __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * p * d.n + c)));
+          __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (2 * p + 1) * d.n + c)));
+          lo[p] = _mm256_unpacklo_epi16(a, b);  // columns 0-3 and 8-11 of the 16
+          hi[p] = _mm256_unpackhi_epi16(a, b);  // columns 4-7 and 12-15
         }
-        __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
-        __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d.n + c)));
-        __m256i lo = _mm256_unpacklo_epi16(a, b);  // columns 0-3 and 8-11 of the 16
-        __m256i hi = _mm256_unpackhi_epi16(a, b);  // columns 4-7 and 12-15
         for (int r = 0; r < RR; ++r) {
           __m256i* sums = reinterpret_cast<__m256i*>(acc[r] + c);
-          sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(lo, x[r]));
-          sums[1] = _mm256_add_epi32(sums[1], _mm256_madd_epi16(hi, x[r]));
+          sums[0] = _mm256_add_epi32(sums[0], _mm256_add_epi32(_mm256_madd_epi16(lo[0], x[r][0]), _mm256_madd_epi16(lo[1], x[r][1])));
+          sums[1] = _mm256_add_epi32(sums[1], _mm256_add_epi32(_mm256_madd_epi16(hi[0], x[r][0]), _mm256_madd_epi16(hi[1], x[r][1])));
         }
       }
     }
