@@ -5,6 +5,7 @@ in an engine's steps, and its build."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,19 @@ def test_a_matrix_the_kernel_does_not_read_is_an_error(kernel):
     assert not kernel.fits(40, 64) and not kernel.fits(64, 40) and kernel.fits(48, 80)
 
 
+def test_a_stack_is_read_at_its_index(kernel):
+    """The layers' matrices are read in their stacks: a slice would be copied out for the call first."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    stack = rng.integers(-127, 128, (3, 32, 64), dtype=np.int8)
+    scales = rng.uniform(1e-3, 1e-2, (3, 1, 64)).astype(np.float16)
+    call = jax.jit(lambda x, w, s, i: kernel(x, w, s, False, i))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(call(x, stack, scales, i)), np.asarray(kernel(x, stack[i], scales[i], False)))
+    with pytest.raises(Exception, match="index is out of the stack"):
+        jax.block_until_ready(call(x, stack, scales, 3))
+
+
 def test_int8_dots_by_the_kernel_equal_xlas_integer_dots(kernel):
     """The kernel is an implementation of `Int8Dot`'s integer dots: the same values up to the order of
     float32 sums, for the layers' matrices and both layouts of the output layer; rows past
@@ -108,7 +122,8 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
     sample = next(key for key in engine.runner.all_programs() if key[0] == "sample")
     assert len(kernel_calls(sample)) == 1  # the output layer
     layers = kernel_calls(("forward", engine.runner.buckets.token_sizes[0]))
-    assert len(layers) == 4  # the layers' qkv, o, gate/up and down, once in the scan
+    in_stacks = [c for c in layers if re.search(rf"tensor<{cfg.num_layers}x\d+x\d+xi8>", c)]
+    assert len(layers) == len(in_stacks) == 4  # the layers' qkv, o, gate/up and down, read in their stacks
     got = engine.generate(prompts, greedy)
     monkeypatch.setattr(resources, "load_int8_kernel", lambda folder: (None, "no kernel"))
     xla = Engine(cfg, weights, tokenizer, config)

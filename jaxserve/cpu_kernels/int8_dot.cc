@@ -32,7 +32,7 @@ namespace {
 
 constexpr int64_t kChunk = 1024;
 constexpr int64_t kAhead = 4;
-constexpr int64_t kWidth = 512;  // columns of a piece of w [K, N]: four rows' sums in 8 KiB
+constexpr int64_t kWidth = 512;  // columns of a piece of w [K, N]: eight rows' sums in 16 KiB
 constexpr float kLevels = 127 * 128;
 
 struct Dot {
@@ -130,13 +130,6 @@ void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
     int64_t k1 = std::min(d.k, k0 + kChunk);
     std::memset(acc, 0, sizeof acc);
     for (int64_t i = k0; i < k1; i += 4) {  // two pairs of rows of w a pass: the sums read and written once
-      __m256i x[RR][2];
-      for (int r = 0; r < RR; ++r)
-        for (int p = 0; p < 2; ++p) {
-          int32_t pair;
-          std::memcpy(&pair, d.value + (r0 + r) * d.k + i + 2 * p, sizeof pair);
-          x[r][p] = _mm256_set1_epi32(pair);
-        }
       const int8_t* row = d.w + i * d.n + c0;
       for (int64_t c = 0; c < width; c += 16) {
         if (c % 64 == 0)  // the rows kAhead passes down: each piece's run is too short for the hardware's prefetch
@@ -149,9 +142,13 @@ void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
           hi[p] = _mm256_unpackhi_epi16(a, b);  // columns 4-7 and 12-15
         }
         for (int r = 0; r < RR; ++r) {
+          __m256i x[2];  // the row's two pairs of values, each broadcast from memory (a load, no shuffle)
+          for (int p = 0; p < 2; ++p)
+            x[p] = _mm256_castps_si256(
+                _mm256_broadcast_ss(reinterpret_cast<const float*>(d.value + (r0 + r) * d.k + i + 2 * p)));
           __m256i* sums = reinterpret_cast<__m256i*>(acc[r] + c);
-          sums[0] = _mm256_add_epi32(sums[0], _mm256_add_epi32(_mm256_madd_epi16(lo[0], x[r][0]), _mm256_madd_epi16(lo[1], x[r][1])));
-          sums[1] = _mm256_add_epi32(sums[1], _mm256_add_epi32(_mm256_madd_epi16(hi[0], x[r][0]), _mm256_madd_epi16(hi[1], x[r][1])));
+          sums[0] = _mm256_add_epi32(sums[0], _mm256_add_epi32(_mm256_madd_epi16(lo[0], x[0]), _mm256_madd_epi16(lo[1], x[1])));
+          sums[1] = _mm256_add_epi32(sums[1], _mm256_add_epi32(_mm256_madd_epi16(hi[0], x[0]), _mm256_madd_epi16(hi[1], x[1])));
         }
       }
     }
@@ -183,14 +180,28 @@ void transposed_rows(const Dot& d, int64_t r0, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) transposed_outputs<RR, 1>(d, r0, n);
 }
 
-// Rows in groups of at most four, each group reading the piece's weights (from cache after the first).
+// Rows in groups, each group reading the piece's weights (from cache after the first): of four
+// for w [N, K], whose sums are registers; of eight for w [K, N], whose sums are in cache.
 void piece(const Dot& d, bool transposed, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < d.rows; r0 += 4) {
-    switch (std::min<int64_t>(4, d.rows - r0)) {
-      case 1: transposed ? transposed_rows<1>(d, r0, n0, n1) : column_rows<1>(d, r0, n0, n1); break;
-      case 2: transposed ? transposed_rows<2>(d, r0, n0, n1) : column_rows<2>(d, r0, n0, n1); break;
-      case 3: transposed ? transposed_rows<3>(d, r0, n0, n1) : column_rows<3>(d, r0, n0, n1); break;
-      default: transposed ? transposed_rows<4>(d, r0, n0, n1) : column_rows<4>(d, r0, n0, n1); break;
+  for (int64_t r0 = 0; r0 < d.rows; r0 += transposed ? 4 : 8) {
+    if (transposed) {
+      switch (std::min<int64_t>(4, d.rows - r0)) {
+        case 1: transposed_rows<1>(d, r0, n0, n1); break;
+        case 2: transposed_rows<2>(d, r0, n0, n1); break;
+        case 3: transposed_rows<3>(d, r0, n0, n1); break;
+        default: transposed_rows<4>(d, r0, n0, n1); break;
+      }
+      continue;
+    }
+    switch (std::min<int64_t>(8, d.rows - r0)) {
+      case 1: column_rows<1>(d, r0, n0, n1); break;
+      case 2: column_rows<2>(d, r0, n0, n1); break;
+      case 3: column_rows<3>(d, r0, n0, n1); break;
+      case 4: column_rows<4>(d, r0, n0, n1); break;
+      case 5: column_rows<5>(d, r0, n0, n1); break;
+      case 6: column_rows<6>(d, r0, n0, n1); break;
+      case 7: column_rows<7>(d, r0, n0, n1); break;
+      default: column_rows<8>(d, r0, n0, n1); break;
     }
   }
 }
@@ -214,16 +225,22 @@ void piece(const Dot& d, bool transposed, int64_t n0, int64_t n1) {
 #endif
 
 ffi::Error int8_dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out, bool transposed) {
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out,
+                    bool transposed) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("int8_dot: x and w must be matrices");
-  int64_t rows = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
-  if ((transposed ? wd[1] : wd[0]) != k || k % 16 || n % 16 || scale.element_count() != n)
-    return ffi::Error::InvalidArgument("int8_dot: shapes do not match, or K or N is not a multiple of 16");
+  if (xd.size() != 2 || wd.size() < 2 || wd.size() > 3 || index.element_count() != 1)
+    return ffi::Error::InvalidArgument("int8_dot: x must be a matrix, w a matrix or a stack of them, index a scalar");
+  int64_t stack = wd.size() == 3 ? wd[0] : 1, layer = *index.typed_data();
+  int64_t rows = xd[0], k = xd[1], n = transposed ? wd[wd.size() - 2] : wd[wd.size() - 1];
+  if ((transposed ? wd[wd.size() - 1] : wd[wd.size() - 2]) != k || k % 16 || n % 16 ||
+      scale.element_count() != stack * n || layer < 0 || layer >= stack)
+    return ffi::Error::InvalidArgument("int8_dot: shapes do not match, K or N is not a multiple of 16, or the "
+                                       "index is out of the stack");
   std::vector<int16_t> value(rows * k);
   std::vector<float> row_scale(rows);
   round_rows(x.typed_data(), rows, k, value.data(), row_scale.data());
-  Dot d{value.data(), row_scale.data(), w.typed_data(), scale.typed_data(), out->typed_data(), rows, k, n};
+  Dot d{value.data(), row_scale.data(), w.typed_data() + layer * k * n, scale.typed_data() + layer * n,
+        out->typed_data(), rows, k, n};
   // Pieces of whole 16-column groups, a multiple of the threads: of w [N, K] about 64 KiB of
   // weights each, of w [K, N] as wide as kWidth allows (each row's piece is one contiguous read).
   int64_t groups = n / 16, threads = std::max<int64_t>(1, pool.num_threads());
@@ -243,5 +260,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Dot, int8_dot,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transposed"));

@@ -42,13 +42,16 @@ class CpuInt8Dot:
         """Whether the kernel reads a matrix contracting `k` into `n` outputs."""
         return k % MULTIPLE == 0 and n % MULTIPLE == 0
 
-    def __call__(self, x: jax.Array, w: jax.Array, scale: jax.Array, transposed: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, w: jax.Array, scale: jax.Array, transposed: bool,
+                 index: jax.Array | int = 0) -> jax.Array:
         """x [R, K] float32 with int8 w ([N, K] if `transposed`, else [K, N]) and its float scales,
         one per output channel (N of them, any shape): [R, N] float32, as `Int8Dot`'s integer dot
-        of split rows computes it."""
-        n = w.shape[0] if transposed else w.shape[1]
+        of split rows computes it. w may be a stack of such matrices [L, ...], its scales [L, ...]
+        (N a matrix): then `index` picks one, and no slice of the stack is copied out for the call."""
+        n = w.shape[-2] if transposed else w.shape[-1]
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-        return call(x.astype(jnp.float32), w, scale.astype(jnp.float32).reshape(n), transposed=transposed)
+        return call(x.astype(jnp.float32), w, scale.astype(jnp.float32).reshape(*w.shape[:-2], n),
+                    jnp.asarray(index, jnp.int32), transposed=transposed)
 
 def load(folder: str) -> tuple[CpuInt8Dot | None, str]:
     """(the kernel, built for this machine into `folder` (once; later processes read it back) and

@@ -34,9 +34,13 @@ def dense_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, quant: Int8Dot | None) -> jax.Array:
-    """x @ w in float32, w a float matrix or (with `quant`) an int8 one with its scales."""
-    return dense(x, w) if quant is None else quant.dense(x, w, scale)
+def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, quant: Int8Dot | None, at=None) -> jax.Array:
+    """x @ w in float32, w a float matrix or (with `quant`) an int8 one with its scales; or w the
+    stack of every layer's int8 matrices [L, ...] and `at` this layer's place in it (int8's CPU kernel
+    reads a layer's matrix in place: a slice would be copied out for it first)."""
+    if quant is None:
+        return dense(x, w)
+    return quant.dense(x, w, scale) if w.ndim == 2 else quant.dense(x, w, scale, at)
 
 
 def _scale(weights, name: str):
@@ -101,6 +105,7 @@ class LayerConstants:
     """What one layer of a scan knows of itself (each field stacked [L, ...] for the scan)."""
 
     index: jax.Array  # int32: the layer's slot in a page of the KV pool
+    stack_index: jax.Array  # int32: its place in the stack of layers
     group: jax.Array  # int32: its KV-cache group (whose block tables it reads)
     window: jax.Array  # int32: its sliding window, NO_WINDOW for a global layer
     rope: jax.Array  # int32: its set of RoPE frequencies in `rope_frequencies` (local and global layers differ)
@@ -109,7 +114,8 @@ class LayerConstants:
     def stacked(cls, cfg: ModelConfig) -> "LayerConstants":
         _, layer_sets = _rope_sets(cfg)
         groups = kv_groups(cfg)
-        return cls(index=np.array(groups.layer_slot, np.int32), group=np.array(groups.layer_group, np.int32),
+        return cls(index=np.array(groups.layer_slot, np.int32), stack_index=np.arange(cfg.num_layers, dtype=np.int32),
+                   group=np.array(groups.layer_group, np.int32),
                    window=np.array([NO_WINDOW if w is None else w for w in cfg.layer_windows], np.int32),
                    rope=np.array(layer_sets, np.int32))
 
@@ -140,15 +146,16 @@ class MLP(nnx.Module):
         self.activation = activation
         self.quant = quant
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        both = project(x, self.gate_up[...], _value(self.gate_up_scale), self.quant)
+    def __call__(self, x: jax.Array, at=None) -> jax.Array:
+        """`at`: the layer's place in the stack, where its matrices are read in their stacks (`project`)."""
+        both = project(x, self.gate_up[...], _value(self.gate_up_scale), self.quant, at)
         both = both.reshape(*x.shape[:-1], -1, 2)  # [..., F, 2]
         gate, up = both[..., 0], both[..., 1]
         if self.activation == "silu":
             gate = jax.nn.silu(gate)
         else:
             gate = jax.nn.gelu(gate, approximate=True)
-        return project(gate * up, self.down[...], _value(self.down_scale), self.quant)
+        return project(gate * up, self.down[...], _value(self.down_scale), self.quant, at)
 
 
 class Attention(nnx.Module):
@@ -174,7 +181,7 @@ class Attention(nnx.Module):
         """x: [T, D]; kv: (k [N, P, M, S, K], v); rope: the step's `rope_tables`. Returns ([T, D], kv)."""
         t = x.shape[0]
         h, n, k = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = project(x, self.qkv[...], _value(self.qkv_scale), self.quant)
+        qkv = project(x, self.qkv[...], _value(self.qkv_scale), self.quant, layer.stack_index)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         qkv = qkv.reshape(t, n, h // n + 2, k)  # per kv head: its query heads, then k, then v
@@ -188,4 +195,5 @@ class Attention(nnx.Module):
         k_pool, v_pool = write_kv(kv, key, value, meta.slot_mapping, layer.index)
         out = attend(q, k_pool, v_pool, layer.index, meta, sm_scale=self.scale, sliding_window=layer.window,
                      soft_cap=self.soft_cap)
-        return project(out.reshape(t, h * k), self.out[...], _value(self.out_scale), self.quant), (k_pool, v_pool)
+        return (project(out.reshape(t, h * k), self.out[...], _value(self.out_scale), self.quant, layer.stack_index),
+                (k_pool, v_pool))

@@ -183,9 +183,10 @@ class Int8Dot:
         blocks = f", in blocks of {self.block_rows} rows" if self.block_rows else ""
         return f"{how}, float16 scales {scales}{outliers}{blocks}"
 
-    def dense(self, x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-        """x [..., K] @ w [K, N] in float32, w = dequantize(q, scale, axis=0)."""
-        return self._dot(x, q, scale, 0, (((x.ndim - 1,), (0,)), ((), ())), self._integer_at(x, self.integer_rows))
+    def dense(self, x: jax.Array, q: jax.Array, scale: jax.Array, at: jax.Array | None = None) -> jax.Array:
+        """x [..., K] @ w [K, N] in float32, w = dequantize(q, scale, axis=0); or w the matrix `at`
+        of a stack q [L, K, N] (its scales [L, 1, N]), which the kernel reads in place."""
+        return self._dot(x, q, scale, 0, (((x.ndim - 1,), (0,)), ((), ())), self._integer_at(x, self.integer_rows), at)
 
     def output_layer(self, x: jax.Array, q: jax.Array, scale: jax.Array, tied: bool,
                      channels: jax.Array | None = None, kept: jax.Array | None = None) -> jax.Array:
@@ -221,9 +222,14 @@ class Int8Dot:
     def _integer_at(x: jax.Array, most_rows: int) -> bool:
         return np.prod(x.shape[:-1]) <= most_rows
 
-    def _dot(self, x, q, scale, axis: int, dims, integer: bool):
+    def _dot(self, x, q, scale, axis: int, dims, integer: bool, at=None):
         """x contracted with q along q's `axis` (dims: dot_general's), scaled; an integer dot of
-        split rows if `integer`."""
+        split rows if `integer`. With `at`, q and scale are stacks and the matrix is their `at`."""
+        flat, matrix = x.reshape(-1, x.shape[-1]), q.shape[-2:]
+        if integer and self.kernel is not None and self.kernel.fits(matrix[axis], matrix[1 - axis]):
+            return self.kernel(flat, q, scale, axis == 1, 0 if at is None else at).reshape(*x.shape[:-1], -1)
+        if at is not None:
+            q, scale = q[at], scale[at]
         per_channel = scale.shape[axis] == 1  # the scale applies to the output columns
         out_scale = jnp.squeeze(scale, axis).astype(jnp.float32) if per_channel else None
         if self.mode == "w8a8":
@@ -231,9 +237,6 @@ class Int8Dot:
             acc = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
             return acc.astype(jnp.float32) * xs * out_scale
         if integer:
-            flat, transposed = x.reshape(-1, x.shape[-1]), axis == 1  # q [N, K], else [K, N]
-            if self.kernel is not None and self.kernel.fits(q.shape[axis], q.shape[1 - axis]):
-                return self.kernel(flat, q, scale, transposed).reshape(*x.shape[:-1], -1)
             xq, xs = split_rows(flat)
             acc = jax.lax.dot_general(xq, q, (((1,), dims[0][1]), ((), ())), preferred_element_type=jnp.int32)
             acc, rows = acc.astype(jnp.float32), xs.shape[0]  # summed in float32: 128 high would overflow int32

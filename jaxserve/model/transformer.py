@@ -52,7 +52,7 @@ class DecoderLayer(nnx.Module):
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x), layer.stack_index)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h, kv
@@ -113,14 +113,16 @@ class Transformer(nnx.Module):
             *_values(self.embed, self.embed_scales), tokens, *_values(self.embed_outlier_channels, self.embed_outliers))
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
-        graphdef, stacked = nnx.split(self.layers)
+        # int8's CPU kernel reads each layer's matrices in their stacks: they stay whole through the scan
+        in_place = _int8_matrix if self.quant is not None and self.quant.kernel is not None else nnx.Nothing
+        graphdef, whole, stacked = nnx.split(self.layers, in_place, ...)
         rope = rope_tables(meta.positions, rope_frequencies(self.cfg))
 
         def layer_step(carry, xs):
             x, pool = carry
             params, constants = xs
             params = jax.tree.map(from_bits, params)
-            return nnx.merge(graphdef, params)(x, pool, constants, meta, attend, rope), None
+            return nnx.merge(graphdef, whole, params)(x, pool, constants, meta, attend, rope), None
         xs = (stacked, LayerConstants.stacked(self.cfg))
         (x, new_pool), _ = jax.lax.scan(layer_step, (x, tuple(kv_pool)), xs)
         return (x if rows is None else x[rows]), new_pool
@@ -160,6 +162,11 @@ def _matrix(weights: Mapping, name: str, dtype, quant: Int8Dot | None, xp, outpu
     if quant.outliers and output_layer:
         return with_outliers(q, scales, axis, quant.outliers)
     return q, scales, None, None
+
+
+def _int8_matrix(path, value) -> bool:
+    """A layer's int8 matrix or its scales (the scales of a float matrix are None)."""
+    return str(path[-1]).removesuffix("_scale") in ("qkv", "out", "gate_up", "down")
 
 
 def _values(*params):
