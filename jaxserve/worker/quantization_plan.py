@@ -11,10 +11,13 @@ Integer dots (`Int8Dot.integer_rows`): XLA:CPU converts a whole int8 operand bef
 while its integer dot of the activations split in two int8 rows each (`split_rows`) reads the
 int8 weights as they are. Which is faster depends on the CPU and the row count, not only on its
 int8 dot instructions: with AVX-512 VNNI (AMD EPYC) integer dots won at 1 and 2 rows and lost at
-8; on an AVX2-only AMD EPYC they tied at 1 row and won at 2 and 4 (docs/quantization.md). So both
-are timed at `INTEGER_CANDIDATES` rows, and integer dots taken up to the most rows at which they
-were clearly faster (stopping at the first row count where they were clearly slower). On GPUs and
-TPUs XLA fuses the conversion into the dot: no integer dots.
+8; on an AVX2-only AMD EPYC they tied at 1 row and won at 2 and 4 (docs/quantization.md); the
+engine's C++ kernel for them (`jaxserve.cpu_kernels.int8_dot`, where it builds) won at every count
+up to 64 there, on the output layer by more than on the layers. So both forms are timed at
+`INTEGER_CANDIDATES` rows, for the layers and the output layer apart (`PARTS`), and each part takes
+integer dots up to the most rows at which they were clearly faster (stopping at the first row count
+where they were clearly slower). On GPUs and TPUs XLA fuses the conversion into the dot: no
+integer dots.
 
 The timings are kept in `$JAXSERVE_CACHE/quantization_plans.json`, keyed by the CPU, jax, the XLA
 flags, the shapes and the dtype: measured once per machine and model (and once per process).
