@@ -136,6 +136,9 @@ def test_the_build_is_kept_and_a_missing_compiler_leaves_xlas_dots(tmp_path, mon
     assert os.path.basename(path) == int8_dot.load(cache_root())[0].library
     built = os.stat(path).st_mtime_ns
     assert int8_dot.build(cache_root()) == path and os.stat(path).st_mtime_ns == built  # read back, not rebuilt
+    kernel = int8_dot.load(cache_root())[0]
+    assert int8_dot.load(str(tmp_path))[0] == kernel  # a process registers one build
+    monkeypatch.setattr(int8_dot, "_loaded", {})  # as a new process
     monkeypatch.setenv("CXX", "no-such-compiler")
     kernel, why = int8_dot.load(str(tmp_path))
     assert kernel is None and "no C++ compiler (no-such-compiler)" in why

@@ -27,7 +27,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_dot.cc")
 TARGET = "jaxserve_int8_dot"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 MULTIPLE = 16  # K and N of a matrix the kernel reads are multiples of this
-_loaded: dict[str, tuple] = {}  # by folder: (the kernel, why not), built and registered once per process
+_loaded: dict[str, tuple] = {}  # by folder: (the kernel, why not), as `load` returned it in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +55,21 @@ class CpuInt8Dot:
 
 def load(folder: str) -> tuple[CpuInt8Dot | None, str]:
     """(the kernel, built for this machine into `folder` (once; later processes read it back) and
-    registered with XLA, or None where it cannot be: no compiler, a failed build; why)."""
-    if folder not in _loaded:
-        try:
-            path = build(folder)
-            library = ctypes.CDLL(path)
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveInt8Dot), platform="cpu")
-            _loaded[folder] = CpuInt8Dot(os.path.basename(path)), "int8's CPU kernel built for this machine"
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("int8's CPU kernel is not built here (%s: %s): XLA's dots", type(e).__name__, e)
-            _loaded[folder] = None, f"no CPU kernel for int8 here ({type(e).__name__}: {e})"
+    registered with XLA, or None where it cannot be: no compiler, a failed build; why). A process
+    registers one build: a later folder gets the kernel already registered."""
+    if folder in _loaded:
+        return _loaded[folder]
+    registered = next((found for found in _loaded.values() if found[0] is not None), None)
+    if registered is not None:
+        return registered
+    try:
+        path = build(folder)
+        library = ctypes.CDLL(path)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveInt8Dot), platform="cpu")
+        _loaded[folder] = CpuInt8Dot(os.path.basename(path)), "int8's CPU kernel built for this machine"
+    except Exception as e:  # noqa: BLE001 — XLA's dots, as without the kernel
+        log.warning("int8's CPU kernel is not built here (%s: %s): XLA's dots", type(e).__name__, e)
+        _loaded[folder] = None, f"no CPU kernel for int8 here ({type(e).__name__}: {e})"
     return _loaded[folder]
 
 
