@@ -82,7 +82,8 @@ def test_a_stack_is_read_at_its_index(kernel):
     scales = rng.uniform(1e-3, 1e-2, (3, 1, 64)).astype(np.float16)
     call = jax.jit(lambda x, w, s, i: kernel(x, w, s, False, i))
     for i in range(3):
-        np.testing.assert_array_equal(np.asarray(call(x, stack, scales, i)), np.asarray(kernel(x, stack[i], scales[i], False)))
+        want = kernel(x, stack[i], scales[i], False)
+        np.testing.assert_array_equal(np.asarray(call(x, stack, scales, i)), np.asarray(want))
     with pytest.raises(Exception, match="index is out of the stack"):
         jax.block_until_ready(call(x, stack, scales, 3))
 
@@ -127,7 +128,8 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
     got = engine.generate(prompts, greedy)
     monkeypatch.setattr(resources, "load_int8_kernel", lambda folder: (None, "no kernel"))
     xla = Engine(cfg, weights, tokenizer, config)
-    assert xla.runner.quant.kernel is None and (xla.runner.quant.integer_rows, xla.runner.quant.output_integer_rows) == (4, 8)
+    quant = xla.runner.quant
+    assert quant.kernel is None and (quant.integer_rows, quant.output_integer_rows) == (4, 8)
     assert [o.token_ids for o in got] == [o.token_ids for o in xla.generate(prompts, greedy)]
 
 

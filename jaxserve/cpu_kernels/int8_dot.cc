@@ -131,11 +131,13 @@ void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
       const int8_t* row = d.w + i * d.n + c0;
       for (int64_t c = 0; c < width; c += 16) {
         if (c % 64 == 0)  // the rows kAhead passes down: each piece's run is too short for the hardware's prefetch
-          for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + (4 * kAhead + j) * d.n + c), _MM_HINT_T0);
+          for (int j = 0; j < 4; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(row + (4 * kAhead + j) * d.n + c), _MM_HINT_T0);
         __m256i lo[2], hi[2];
         for (int p = 0; p < 2; ++p) {
-          __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * p * d.n + c)));
-          __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (2 * p + 1) * d.n + c)));
+          const int8_t* at = row + 2 * p * d.n + c;
+          __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+          __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + d.n)));
           lo[p] = _mm256_unpacklo_epi16(a, b);  // columns 0-3 and 8-11 of the 16
           hi[p] = _mm256_unpackhi_epi16(a, b);  // columns 4-7 and 12-15
         }
@@ -145,8 +147,10 @@ void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
             x[p] = _mm256_castps_si256(
                 _mm256_broadcast_ss(reinterpret_cast<const float*>(d.value + (r0 + r) * d.k + i + 2 * p)));
           __m256i* sums = reinterpret_cast<__m256i*>(acc[r] + c);
-          sums[0] = _mm256_add_epi32(sums[0], _mm256_add_epi32(_mm256_madd_epi16(lo[0], x[0]), _mm256_madd_epi16(lo[1], x[1])));
-          sums[1] = _mm256_add_epi32(sums[1], _mm256_add_epi32(_mm256_madd_epi16(hi[0], x[0]), _mm256_madd_epi16(hi[1], x[1])));
+          __m256i low = _mm256_add_epi32(_mm256_madd_epi16(lo[0], x[0]), _mm256_madd_epi16(lo[1], x[1]));
+          __m256i high = _mm256_add_epi32(_mm256_madd_epi16(hi[0], x[0]), _mm256_madd_epi16(hi[1], x[1]));
+          sums[0] = _mm256_add_epi32(sums[0], low);
+          sums[1] = _mm256_add_epi32(sums[1], high);
         }
       }
     }

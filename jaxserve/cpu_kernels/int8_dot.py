@@ -79,8 +79,8 @@ def build(folder: str) -> str:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) on the PATH")
-    run = lambda *args, **kw: subprocess.run([compiler, *args], capture_output=True, text=True, check=True,  # noqa: E731
-                                             timeout=300, **kw).stdout
+    def run(*args, **kw) -> str:
+        return subprocess.run([compiler, *args], capture_output=True, text=True, check=True, timeout=300, **kw).stdout
     machine = run("-march=native", "-E", "-dM", "-x", "c++", "-", input="")  # the CPU features it compiles for
     with open(SOURCE, "rb") as f:
         source = f.read()

@@ -96,8 +96,8 @@ def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None, ke
     if key not in _chosen:
         saved = read_timings(cache_file)
         timings = saved.get(key)
-        if not (isinstance(timings, dict) and all(isinstance(timings.get(str(INTEGER_CANDIDATES[0]), {}).get(part), dict)
-                                                  for part in PARTS)):
+        first = timings.get(str(INTEGER_CANDIDATES[0])) if isinstance(timings, dict) else None
+        if not (isinstance(first, dict) and all(isinstance(first.get(part), dict) for part in PARTS)):
             start = time.perf_counter()
             try:
                 timings = time_integer_dots(measure or DecodeDots(cfg, dtype, kernel).integer_timings)
@@ -148,7 +148,8 @@ def measure_decode_dots(cfg: ModelConfig, dtype: str, rows: int, integer_rows: t
     in `dtype` and in int8 (integer dots up to `integer_rows` rows in each part, by `kernel`),
     scaled to the whole model."""
     dots = DecodeDots(cfg, dtype, kernel)
-    return {"none": sum(dots.float_ms(rows, reps).values()), "int8": sum(dots.int8_ms(rows, integer_rows, reps).values())}
+    return {"none": sum(dots.float_ms(rows, reps).values()),
+            "int8": sum(dots.int8_ms(rows, integer_rows, reps).values())}
 
 
 class DecodeDots:
@@ -197,8 +198,8 @@ class DecodeDots:
         return {part: {"integer": integer[part], "converted": converted[part]} for part in parts}
 
     def _ms(self, fns: dict, weights: dict, rows: int, reps: int, parts) -> dict[str, float]:
-        return {part: best_ms(compile_dots(fns[part], rows, self.d, weights[part]), weights[part], reps) / self.shares[part]
-                for part in parts}
+        return {part: best_ms(compile_dots(fns[part], rows, self.d, weights[part]), weights[part], reps)
+                / self.shares[part] for part in parts}
 
 
 def _key(form: str, cfg: ModelConfig, *rest) -> str:
