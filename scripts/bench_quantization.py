@@ -169,8 +169,9 @@ def main(argv=None) -> None:
         tokens[mode] = greedy(engine, together=integer)
         if integer:  # int8's integer dots, which the engine's steps of up to `integer_rows` rows run
             tokens[INTEGER] = greedy(engine)
+            # each row is split and scaled alone: the same values at any count
             model.quant = model.layers.attn.quant = model.layers.mlp.quant = dataclasses.replace(
-                quant, integer_rows=len(ids), output_integer_rows=len(ids))  # each row is split and scaled alone: the same values at any count
+                quant, integer_rows=len(ids), output_integer_rows=len(ids))
             scores[INTEGER] = text_scores(model, ids)
         del engine
     modes += [INTEGER] if INTEGER in scores else []

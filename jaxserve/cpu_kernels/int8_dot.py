@@ -53,6 +53,7 @@ class CpuInt8Dot:
         return call(x.astype(jnp.float32), w, scale.astype(jnp.float32).reshape(*w.shape[:-2], n),
                     jnp.asarray(index, jnp.int32), transposed=transposed)
 
+
 def load(folder: str) -> tuple[CpuInt8Dot | None, str]:
     """(the kernel, built for this machine into `folder` (once; later processes read it back) and
     registered with XLA, or None where it cannot be: no compiler, a failed build; why). A process
@@ -79,6 +80,7 @@ def build(folder: str) -> str:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) on the PATH")
+
     def run(*args, **kw) -> str:
         return subprocess.run([compiler, *args], capture_output=True, text=True, check=True, timeout=300, **kw).stdout
     machine = run("-march=native", "-E", "-dM", "-x", "c++", "-", input="")  # the CPU features it compiles for
@@ -97,4 +99,3 @@ def build(folder: str) -> str:
                 raise RuntimeError(f"{compiler} failed: {e.stderr.strip()[-2000:]}") from e
             os.replace(out, path)
     return path
-

@@ -121,12 +121,13 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
     mode, reason = config.quantization, "asked for" if config.quantization else "the default"
     cpu = jax.default_backend() == "cpu"
     plans = os.path.join(cache_root(), "quantization_plans.json")
-    integer_rows, integer_reason, kernel = (0, 0), "", None  # the layers', the output layer's
+    integer_rows, integer_reason, kernel, no_kernel = (0, 0), "", None, ""  # rows: the layers', the output layer's
     if mode in ("int8", "auto"):
         if cpu and mesh is None:  # XLA cannot partition the kernel's call: under a mesh, XLA's dots
-            kernel, why_not = load_int8_kernel(cache_root())
+            kernel, why = load_int8_kernel(cache_root())
+            no_kernel = "" if kernel else f" ({why})"
         integer_rows, integer_reason = planned_integer_rows(model_config, config.weights_dtype, plans, kernel=kernel)
-        integer_reason += f" ({why_not})" if cpu and mesh is None and kernel is None else ""
+        integer_reason += no_kernel
     if mode == "auto":
         smallest = 2 if cpu and config.weights_dtype == "bfloat16" else 1  # the runner's smallest row bucket
         mode, reason = auto_quantization(model_config, config.weights_dtype, smallest, plans,

@@ -165,7 +165,7 @@ def _matrix(weights: Mapping, name: str, dtype, quant: Int8Dot | None, xp, outpu
 
 
 def _int8_matrix(path, value) -> bool:
-    """A layer's int8 matrix or its scales (the scales of a float matrix are None)."""
+    """Whether a layer's state at `path` is one of its int8 matrices or their scales."""
     return str(path[-1]).removesuffix("_scale") in ("qkv", "out", "gate_up", "down")
 
 

@@ -48,7 +48,7 @@ FORM = "int8 layers per channel, output layer with float channels"  # the int8 d
 INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # row counts at which integer and converted dots are timed
 PARTS = ("layers", "output layer")  # of a step's dots, each with its own integer rows
 MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
-_chosen: dict[str, int] = {}  # integer rows chosen in this process, by key: one choice per process
+_chosen: dict[str, tuple[int, int]] = {}  # integer rows chosen in this process, by key: one choice per process
 
 
 def auto_quantization(cfg: ModelConfig, dtype: str, rows: int, cache_file: str, measure=None,
