@@ -121,7 +121,10 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     kv_heads, _, _, page_size, _ = k_pages.shape
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     pages_per_block = max(1, keys_per_block // page_size)  # B
-    blocks = (rows_per_block, pages_per_block), (wide_block[0], max(1, wide_block[1] // page_size))
+    # Only the row blocks a chunk of `tokens` rows can use are traced, no taller than it: each
+    # block's rows past the step are spare rows written per layer (a megabyte at 256 of them).
+    wide_rows = wide_block[0] if tokens >= wide_block[0] // 2 else 0
+    blocks = (min(rows_per_block, tokens), pages_per_block), (wide_rows, max(1, wide_block[1] // page_size))
     width = block_tables.shape[1]
     whole = math.lcm(*(b for _, b in blocks))
     tables = jnp.pad(block_tables, ((0, 0), (0, -(-width // whole) * whole - width)))  # slices never clamp
@@ -129,15 +132,16 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     real = jnp.arange(kv_lens.shape[0]) < num_seqs[0]
     options = dict(scale=scale, window=window_value(sliding_window), soft_cap=soft_cap, layer=layer)
 
-    spare = max(rows for rows, _ in blocks)
+    spare = max(rows for rows, _ in blocks) if tokens > 1 else 0  # one row: no chunk, no spare rows
     out = jnp.zeros((tokens + spare, heads, head_dim), jnp.float32)  # spare rows: slices never clamp
     is_decode = real & (q_len == 1)
     decoded = _decode_rows(q[jnp.clip(query_start[:-1], 0, tokens - 1)], k_pages, v_pages,
                            jnp.where(is_decode, kv_lens, 0), tables, pages_per_block=pages_per_block,
                            **options)  # [S, H, D]
     out = out.at[jnp.where(is_decode, query_start[:-1], tokens + spare)].set(decoded, mode="drop")
-    out = _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, real & (q_len > 1),
-                      blocks=blocks, **options)
+    if tokens > 1:
+        out = _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, real & (q_len > 1),
+                          blocks=blocks, **options)
     return out[:tokens].astype(q.dtype)
 
 
@@ -220,7 +224,8 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk
                 soft_cap, layer):
     """Writes into out [T + Q', H, D] the rows of every sequence with is_chunk set: `blocks` is
     ((Q, B), (Q', B')), a chunk's rows go Q' at a time against B' pages while at least Q' / 2 rows
-    are left (the last such block may be part empty), then Q at a time against B pages."""
+    are left (the last such block may be part empty; none with Q' = 0), then Q at a time against B
+    pages."""
     tokens, heads, head_dim = q.shape
     kv_heads, _, _, page_size, _ = k_pages.shape
     group = heads // kv_heads
@@ -263,9 +268,11 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, is_chunk
             return lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None, None], result, old), first + r,
                                                    axis=0)
 
-        wide = q_len // wide_rows + (q_len % wide_rows >= wide_rows // 2)  # wide blocks
-        done = jnp.minimum(wide * wide_rows, q_len)  # rows they cover
-        out = lax.fori_loop(0, wide, lambda b, out: row_block(*blocks[1], b * wide_rows, out), out)
+        done = 0
+        if wide_rows:
+            wide = q_len // wide_rows + (q_len % wide_rows >= wide_rows // 2)  # wide blocks
+            done = jnp.minimum(wide * wide_rows, q_len)  # rows they cover
+            out = lax.fori_loop(0, wide, lambda b, out: row_block(*blocks[1], b * wide_rows, out), out)
         return lax.fori_loop(0, (q_len - done + short_rows - 1) // short_rows,
                              lambda b, out: row_block(*blocks[0], done + b * short_rows, out), out)
 
