@@ -41,10 +41,13 @@ def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, transposed: bool)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
-def test_the_kernel_equals_a_float64_reference_of_the_15_bit_integer_dot(kernel, transposed, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])
+@pytest.mark.parametrize("k", [48, 2096])
+def test_the_kernel_equals_a_float64_reference_of_the_15_bit_integer_dot(kernel, transposed, rows, k):
+    """k = 2,096: three chunks of sums, the last of 48 (one or two rows of w [K, N] are read in runs
+    of its rows, a chunk's split between the threads)."""
     rng = np.random.default_rng(rows)
-    k, n = 48, 80
+    n = 80
     x = rng.standard_normal((rows, k)).astype(np.float32)
     q = rng.integers(-127, 128, (n, k) if transposed else (k, n), dtype=np.int8)
     scale = rng.uniform(1e-3, 1e-2, n).astype(np.float16)
