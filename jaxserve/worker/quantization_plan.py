@@ -15,8 +15,8 @@ int8 dot instructions: with AVX-512 VNNI (AMD EPYC) integer dots won at 1 and 2 
 engine's C++ kernel for them (`jaxserve.cpu_kernels.int8_dot`, where it builds) won at every count
 up to 64 there, on the output layer by more than on the layers. So both forms are timed at
 `INTEGER_CANDIDATES` rows, for the layers and the output layer apart (`PARTS`), and each part takes
-integer dots up to the most rows at which they were clearly faster (stopping at the first row count
-where they were clearly slower). On GPUs and TPUs XLA fuses the conversion into the dot: no
+integer dots up to the most rows at which they were clearly faster, or tied after a win (stopping at
+the first row count where they were clearly slower). On GPUs and TPUs XLA fuses the conversion into the dot: no
 integer dots.
 
 The timings are kept in `$JAXSERVE_CACHE/quantization_plans.json`, keyed by the CPU, jax, the XLA
@@ -127,13 +127,16 @@ def time_integer_dots(measure) -> dict:
 
 def most_integer_rows(timings: dict, part: str) -> int:
     """The most candidate rows at which `part`'s integer dots were clearly faster than converted
-    ones, before the first at which they were clearly slower (0: none)."""
+    ones, or tied with them after being clearly faster at fewer rows, before the first at which they
+    were clearly slower (0: none). A tie past a win is noise about a crossover still ahead: stopping
+    there sent a 64-row step through conversion that integer dots ran as fast (a 16-row choice of
+    the layers beside 32 tied and 64 faster, on an AVX2 AMD EPYC)."""
     most = 0
     for rows in INTEGER_CANDIDATES:
         measured = timings.get(str(rows), {}).get(part)
         if measured is None or _slower(measured):
             break
-        if clearly_faster(measured["integer"], measured["converted"]):
+        if most or clearly_faster(measured["integer"], measured["converted"]):
             most = rows
     return most
 
