@@ -15,9 +15,9 @@ int8 dot instructions: with AVX-512 VNNI (AMD EPYC) integer dots won at 1 and 2 
 engine's C++ kernel for them (`jaxserve.cpu_kernels.int8_dot`, where it builds) won at every count
 up to 64 there, on the output layer by more than on the layers. So both forms are timed at
 `INTEGER_CANDIDATES` rows, for the layers and the output layer apart (`PARTS`), and each part takes
-integer dots up to the most rows at which they were clearly faster, or tied after a win (stopping at
-the first row count where they were clearly slower). On GPUs and TPUs XLA fuses the conversion into the dot: no
-integer dots.
+integer dots up to the most rows at which they were clearly faster, or tied after a win (stopping
+at the first row count where they were clearly slower). On GPUs and TPUs XLA fuses the conversion
+into the dot: no integer dots.
 
 The timings are kept in `$JAXSERVE_CACHE/quantization_plans.json`, keyed by the CPU, jax, the XLA
 flags, the shapes and the dtype: measured once per machine and model (and once per process).
