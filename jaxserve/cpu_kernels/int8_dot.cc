@@ -181,10 +181,9 @@ void column_rows(const Dot& d, int64_t r0, int64_t c0, int64_t c1) {
 // w [K, N] for RR (all) rows: the rows [k0, k1) of w, read as the one contiguous stretch of memory
 // they are (columns in 512-wide pieces go down the rows in 512-byte runs, which the memory serves
 // slower), their int32 sums for every column in `acc` [RR][N], in the order the pairs leave them:
-// columns 0-3 and 8-11 of each 16, then 4-7 and 12-15.
+// columns 0-3 and 8-11 of each 16, then 4-7 and 12-15 (acc starts at zero).
 template <int RR>
 void row_run(const Dot& d, int64_t k0, int64_t k1, int32_t* acc) {
-  std::memset(acc, 0, sizeof(int32_t) * RR * d.n);
   for (int64_t i = k0; i < k1; i += 4) {
     const int8_t* row = d.w + i * d.n;
     __m256i x[RR][2];
@@ -300,12 +299,12 @@ ffi::Error int8_dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   round_rows(x.typed_data(), rows, k, value.data(), row_scale.data());
   Dot d{value.data(), row_scale.data(), w.typed_data() + layer * k * n, scale.typed_data() + layer * n,
         out->typed_data(), rows, k, n};
+  int64_t groups = n / 16, threads = std::max<int64_t>(1, pool.num_threads());
 #if defined(__AVX2__)
   if (!transposed && rows <= kRunRows) {
-    // A run of rows of w a thread (a chunk's rows split evenly), each with its own int32 sums;
-    // then each thread adds up a share of the columns.
+    // A run of rows of w a thread (a chunk's rows split evenly), each with its own int32 sums
+    // (zeroed by the vector); then each thread adds up a share of the columns.
     static_assert(kRunRows == 2, "row_run's instances");
-    int64_t threads = std::max<int64_t>(1, pool.num_threads()), groups = n / 16;
     int64_t chunks = (k + kChunk - 1) / kChunk, runs = std::max<int64_t>(1, (threads + chunks - 1) / chunks);
     std::vector<int32_t> acc(chunks * runs * rows * n);
     parallel_for(pool, chunks * runs, [&](int64_t p) {
@@ -322,7 +321,6 @@ ffi::Error int8_dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 #endif
   // Pieces of whole 16-column groups, a multiple of the threads: of w [N, K] about 64 KiB of
   // weights each, of w [K, N] as wide as kWidth allows (each row's piece is one contiguous read).
-  int64_t groups = n / 16, threads = std::max<int64_t>(1, pool.num_threads());
   int64_t pieces = transposed ? n * k / (64 << 10) : (n + kWidth - 1) / kWidth;
   pieces = std::min(groups, (std::max(pieces, threads) + threads - 1) / threads * threads);
   parallel_for(pool, pieces, [&](int64_t p) {
