@@ -50,3 +50,17 @@ def test_each_timeline_follows_its_requests(run, index):
     assert timeline.kv[-1][1] == 0  # no page used once the run is over
     peak = max(busy_at(timeline, t) for t, _, _ in timeline.kv)
     assert peak == (1 if timeline.label == "none" else 2)
+
+
+def test_rounds_alternate_the_engines_and_print_ratios_within_each_round(checkpoints, capsys):
+    """`--rounds 2`: each engine runs once per round, in turn, and the summary's ratio of two runs is
+    the median of their per-round ratios."""
+    rows, _ = bench_batching.main([
+        "--model", checkpoints("llama"), "--num-requests", "2", "--input-len", "8:12", "--output-len", "4:4",
+        "--max-slots", "2", "--max-model-len", "64", "--kv-cache-mb", "1", "--max-num-batched-tokens", "16",
+        "--strategies", "paged", "--quantizations", "none,int8", "--rounds", "2"])
+    assert [r["strategy"] for r in rows] == ["paged #1", "paged (int8 weights) #1", "paged #2",
+                                             "paged (int8 weights) #2"]
+    ratios = [rows[i + 1]["output_tokens_per_s"] / rows[i]["output_tokens_per_s"] for i in (0, 2)]
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("  paged (int8 weights):"))
+    assert f"{sum(ratios) / 2:.2f}x paged ({min(ratios):.2f}-{max(ratios):.2f})" in line

@@ -17,8 +17,10 @@ decoding; the ITL columns (inter-token latency p50, p99, max) are those of the o
 `--no-prefix-caching` rows with the prefix cache off. `--timeline PNG` draws one panel per run: which
 request held which slot when (prompt chunks hatched), with KV use underneath (jaxserve/bench/timeline.py). `--shared-prefix-len N` gives every prompt
 the same first N tokens (then `--input-len` tokens of its own) and implies `--no-prefix-caching`.
-The "pad" column is tokens computed (bucket padding included) per real token, "hits" the share of
-prompt tokens found in the prefix cache, "KV B/token" the KV bytes the running sequences hold per
+`--rounds N` runs every engine and peer N times in turn and prints each run's median and its
+ratios to the others within a round (this machine's speed drifts between minutes). The "pad"
+column is tokens computed (bucket padding included) per real token, "hits" the share of prompt
+tokens found in the prefix cache, "KV B/token" the KV bytes the running sequences hold per
 token of theirs (time-weighted: sliding-window layers keep only their window, so it falls as
 sequences grow).
 """
@@ -374,6 +376,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also run every strategy with each step's tokens collected before the next is scheduled")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="run every engine and peer this many times, in turn, "
+                   "and print each one's median and its per-round ratios to the first row")
     p.add_argument("--trace", default=None, metavar="DIR", help="a jax.profiler trace of each run in DIR, and the "
                    "device's busy share read from it")
     p.add_argument("--json", default=None)
@@ -382,18 +386,53 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _print_rounds(rows: list[dict]) -> None:
+    """Each run's median throughput over the rounds, and its ratios to the first row's and to each
+    peer's run of the same round (the median and the range): the runs of one round ran minutes
+    apart, the rounds further, and this machine's speed drifts between them."""
+    runs: dict[str, dict[int, float]] = {}
+    for row in rows:
+        runs.setdefault(row["strategy"].rsplit(" #", 1)[0], {})[row["round"]] = row["output_tokens_per_s"]
+    names = list(runs)
+    print(f"\nover {len(runs[names[0]])} rounds: out tok/s, median; ratios to each run of the same round, "
+          "median (min-max)")
+    for name in names:
+        against = [other for other in names[:1] + [n for n in names if n.startswith("peer:")] if other != name]
+        ratios = {other: [runs[name][r] / runs[other][r] for r in runs[name] if r in runs[other]] for other in against}
+        print(f"  {name}: {np.median(list(runs[name].values())):.1f}" + "".join(
+            f"; {np.median(v):.2f}x {other} ({min(v):.2f}-{max(v):.2f})" for other, v in ratios.items() if v))
+
+
 def _print_summary(rows: list[dict], args, compile_s: float) -> None:
     rate = "all at once" if math.isinf(args.rate) else f"Poisson {args.rate}/s"
     print(f"\n{args.num_requests} requests ({rate}), input {args.input_len[0]}-{args.input_len[1]}, output "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, max_slots {args.max_slots}, KV budget "
           f"{args.kv_cache_mb} MiB, compile {compile_s:.0f} s (not timed)\n")
     print_table(rows)
+    if args.rounds > 1:
+        _print_rounds(rows)
     for suffix in ("", " (no chunked prefill)"):
         base = next((r for r in rows if r["strategy"] == "none" + suffix), None)
         if base:
             print(f"\nvs none{suffix}: " + ", ".join(
                 f"{r['strategy']} {r['output_tokens_per_s'] / base['output_tokens_per_s']:.1f}x"
                 for r in rows if r is not base and r["strategy"].endswith(suffix) and "peer" not in r["strategy"]))
+
+
+def _runs(engine: Engine, work: Workload, args, timelines, round_: int | None = None) -> list[dict]:
+    """The rows of one engine's runs: each strategy, and the variants asked for."""
+    rows = []
+    for s in filter(None, args.strategies.split(",")):
+        rows.append(run_strategy(engine, s, work, args, timelines=timelines))
+        if args.no_prefix_caching or args.shared_prefix_len:
+            rows.append(run_strategy(engine, s, work, args, caching=False, timelines=timelines))
+        if args.no_async_scheduling:
+            rows.append(run_strategy(engine, s, work, args, overlap=False, timelines=timelines))
+    return [_numbered(row, round_) for row in rows]
+
+
+def _numbered(row: dict, round_: int | None) -> dict:
+    return row if round_ is None else {**row, "strategy": f"{row['strategy']} #{round_ + 1}", "round": round_}
 
 
 def main(argv=None) -> tuple[list[dict], list | None]:
@@ -406,7 +445,7 @@ def main(argv=None) -> tuple[list[dict], list | None]:
     engines = [config.replace(decode_steps=int(k), quantization=quantization_arg(q))
                for q in args.quantizations.split(",") for k in args.decode_steps.split(",")]
     engines += [config.replace(enable_chunked_prefill=False)] if args.no_chunked_prefill else []
-    rows, compile_s = [], 0.0
+    rows, compile_s, built = [], 0.0, []
     timelines = [] if args.timeline else None
     for config in engines:
         t0 = time.monotonic()
@@ -419,17 +458,17 @@ def main(argv=None) -> tuple[list[dict], list | None]:
               f"compiled in {time.monotonic() - t0:.1f} s; KV pool {engine.stats()['total_pages']} pages of "
               f"{engine.config.page_size} tokens; chunked prefill {config.enable_chunked_prefill}", file=sys.stderr)
         work = make_workload(args, engine.model_config.vocab_size)
-        for s in filter(None, args.strategies.split(",")):
-            rows.append(run_strategy(engine, s, work, args, timelines=timelines))
-            if args.no_prefix_caching or args.shared_prefix_len:
-                rows.append(run_strategy(engine, s, work, args, caching=False, timelines=timelines))
-            if args.no_async_scheduling:
-                rows.append(run_strategy(engine, s, work, args, overlap=False, timelines=timelines))
+        if args.rounds > 1:  # run below, in turn with the others
+            built.append(engine)
+        else:
+            rows += _runs(engine, work, args, timelines)
     peers = [p for p in args.peer.split(",") if p]
-    if "hf" in peers:
-        rows.append(run_hf_peer(args.model, work, args))
-    if "llamacpp" in peers:
-        rows.append(run_llamacpp_peer(args.model, work, args))
+    for round_ in range(args.rounds):  # engines and peers alternate, so that a slower spell of the machine hits all
+        for engine in built:
+            rows += _runs(engine, work, args, timelines, round_)
+        for peer in peers:
+            rows.append(_numbered({"hf": run_hf_peer, "llamacpp": run_llamacpp_peer}[peer](args.model, work, args),
+                                  round_ if args.rounds > 1 else None))
     sweep = []
     for rate in [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else []:
         swept = make_workload(argparse.Namespace(**{**vars(args), "rate": rate}), engine.model_config.vocab_size)
