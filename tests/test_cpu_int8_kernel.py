@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineConfig, SamplingParams
-from jaxserve.cpu_kernels import int8_dot
+from jaxserve.cpu_kernels import int8_dot, library
 from jaxserve.engine import resources
 from jaxserve.model.loader import cache_root, load_model
 from jaxserve.model.quantization import GROUP, Int8Dot, quantize, with_outliers
@@ -137,10 +137,11 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
 
 
 def test_the_build_is_kept_and_a_missing_compiler_leaves_xlas_dots(tmp_path, monkeypatch):
-    path = int8_dot.build(cache_root())
+    path = library.build(cache_root(), "int8_dot")
     assert os.path.basename(path) == int8_dot.load(cache_root())[0].library
     built = os.stat(path).st_mtime_ns
-    assert int8_dot.build(cache_root()) == path and os.stat(path).st_mtime_ns == built  # read back, not rebuilt
+    assert library.build(cache_root(), "int8_dot") == path  # read back, not rebuilt
+    assert os.stat(path).st_mtime_ns == built
     kernel = int8_dot.load(cache_root())[0]
     assert int8_dot.load(str(tmp_path))[0] == kernel  # a process registers one build
     monkeypatch.setattr(int8_dot, "_loaded", {})  # as a new process
@@ -152,8 +153,8 @@ def test_the_build_is_kept_and_a_missing_compiler_leaves_xlas_dots(tmp_path, mon
 PORTABLE = '''
 import sys
 import numpy as np
-from jaxserve.cpu_kernels import int8_dot
-int8_dot.FLAGS = tuple(f for f in int8_dot.FLAGS if not f.startswith("-march")) + ("-march=x86-64",)
+from jaxserve.cpu_kernels import int8_dot, library
+library.FLAGS = tuple(f for f in library.FLAGS if not f.startswith("-march")) + ("-march=x86-64",)
 kernel, why = int8_dot.load(sys.argv[1])
 assert kernel is not None, why
 rng = np.random.default_rng(0)

@@ -15,20 +15,20 @@
 // K and N are multiples of 16; the caller checks.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxserve::parallel_for;
 
 namespace {
 
@@ -59,35 +59,6 @@ void round_rows(const float* x, int64_t rows, int64_t k, int16_t* value, float* 
     s = s == 0 ? 1.0f : s;
     for (int64_t i = 0; i < k; ++i) value[r * k + i] = static_cast<int16_t>(std::nearbyint(row[i] / s));
     row_scale[r] = s;
-  }
-}
-
-// Runs body(piece) for piece in [0, pieces) on the calling thread and the pool's. A task that
-// starts after every piece is taken returns without touching `body`, so the caller waits only for
-// the pieces, not for tasks the pool has not started yet.
-template <typename Body>
-void parallel_for(ffi::ThreadPool& pool, int64_t pieces, const Body& body) {
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), pieces) - 1;
-  if (helpers <= 0) {
-    for (int64_t p = 0; p < pieces; ++p) body(p);
-    return;
-  }
-  struct Counters {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto counters = std::make_shared<Counters>();
-  auto work = [counters, pieces, &body] {
-    for (int64_t p; (p = counters->next.fetch_add(1)) < pieces;) {
-      body(p);
-      counters->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
-  work();
-  while (counters->done.load(std::memory_order_acquire) < pieces) {
-#if defined(__AVX2__)
-    _mm_pause();
-#endif
   }
 }
 

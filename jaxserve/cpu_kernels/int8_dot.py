@@ -1,5 +1,5 @@
 """int8's integer dots on a CPU through XLA's FFI: `int8_dot.cc` beside this file, compiled for
-this machine (`-march=native`) at its first use and kept in the cache folder.
+this machine at its first use and kept in the cache folder (`jaxserve.cpu_kernels.library`).
 
 XLA:CPU converts a whole int8 operand before a float dot, and runs its own integer dot of Gemma 3's
 output layer at a third of the memory's speed (docs/quantization.md); Pallas runs on a CPU only
@@ -10,24 +10,16 @@ C++ compiler is found, or the build fails, `load` says so and the engine keeps X
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
-log = logging.getLogger(__name__)
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_dot.cc")
+from jaxserve.cpu_kernels import library
+
 TARGET = "jaxserve_int8_dot"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 MULTIPLE = 16  # K and N of a matrix the kernel reads are multiples of this
-_loaded: dict[str, tuple] = {}  # by folder: (the kernel, why not), as `load` returned it in this process
+_loaded: dict[str, tuple] = {}  # by folder: (the library's name, why), as this process loaded it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,47 +47,7 @@ class CpuInt8Dot:
 
 
 def load(folder: str) -> tuple[CpuInt8Dot | None, str]:
-    """(the kernel, built for this machine into `folder` (once; later processes read it back) and
-    registered with XLA, or None where it cannot be: no compiler, a failed build; why). A process
-    registers one build: a later folder gets the kernel already registered."""
-    if folder in _loaded:
-        return _loaded[folder]
-    registered = next((found for found in _loaded.values() if found[0] is not None), None)
-    if registered is not None:
-        return registered
-    try:
-        path = build(folder)
-        library = ctypes.CDLL(path)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveInt8Dot), platform="cpu")
-        _loaded[folder] = CpuInt8Dot(os.path.basename(path)), "int8's CPU kernel built for this machine"
-    except Exception as e:  # noqa: BLE001 — XLA's dots, as without the kernel
-        log.warning("int8's CPU kernel is not built here (%s: %s): XLA's dots", type(e).__name__, e)
-        _loaded[folder] = None, f"no CPU kernel for int8 here ({type(e).__name__}: {e})"
-    return _loaded[folder]
-
-
-def build(folder: str) -> str:
-    """The path of the kernel's library for this machine, compiled into `folder` unless there. Its
-    name holds a hash of the source, the compiler and what `-march=native` means here."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler ({compiler}) on the PATH")
-
-    def run(*args, **kw) -> str:
-        return subprocess.run([compiler, *args], capture_output=True, text=True, check=True, timeout=300, **kw).stdout
-    machine = run("-march=native", "-E", "-dM", "-x", "c++", "-", input="")  # the CPU features it compiles for
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    digest = hashlib.sha256(b"\0".join([source, run("--version").encode(), machine.encode(), " ".join(FLAGS).encode(),
-                                        jax.ffi.include_dir().encode()])).hexdigest()[:16]
-    path = os.path.join(folder, "cpu_kernels", f"int8_dot-{digest}.so")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:  # built apart, then renamed: atomic
-            out = os.path.join(tmp, "int8_dot.so")
-            try:
-                run(*FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", out)
-            except subprocess.CalledProcessError as e:
-                raise RuntimeError(f"{compiler} failed: {e.stderr.strip()[-2000:]}") from e
-            os.replace(out, path)
-    return path
+    """(the kernel, built for this machine into `folder` and registered with XLA, or None where it
+    cannot be; why): `jaxserve.cpu_kernels.library.load`."""
+    name, why = library.load(folder, "int8_dot", "JaxserveInt8Dot", TARGET, _loaded)
+    return (CpuInt8Dot(name), f"int8's CPU kernel {why}") if name else (None, f"no CPU kernel for int8 here ({why})")
