@@ -116,7 +116,8 @@ class Engine:
         buckets = runner.buckets
         return "\n".join([
             f"model {self.model_name}: {self.model_config.num_layers} layers, vocab {self.model_config.vocab_size}",
-            f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}",
+            f"backend {device.platform} ({jax.device_count()} x {device.device_kind}), attention {self.backend}"
+            + (" (decode rows by a CPU kernel)" if runner.config.decode_kernel else ""),
             f"weights {'/'.join(sorted(runner.states))} ({self.reasons.weights}), {quantized} "
             f"({self.reasons.quantization}): {weight_bytes / 2**30:.2f} GiB; KV cache {config.kv_dtype}",
             f"KV pool {runner.config.num_pages} pages of {config.page_size} tokens, {pool_bytes / 2**30:.2f} GiB "

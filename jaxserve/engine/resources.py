@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import QUANTIZATIONS, EngineConfig
+from jaxserve.cpu_kernels.decode_attention import CpuDecodeAttention
+from jaxserve.cpu_kernels.decode_attention import load as load_decode_kernel
 from jaxserve.cpu_kernels.int8_dot import load as load_int8_kernel
 from jaxserve.distributed.sharding import kv_heads_per_memory, make_mesh
 from jaxserve.engine.batching.kv_cache_manager import pages_per_sequence
@@ -82,10 +84,15 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, weights, backe
     log.info("max_model_len %d (%s)", max_model_len, why)
     budget = config.step_token_budget(max_model_len)
     model, other, plan, weights_reason = _dtype_per_program(config, model_config, model, weights, budget, mesh)
+    decode_kernel = None  # XLA cannot partition the kernel's call: under a mesh, jnp's decode rows
+    if backend == "reference" and jax.default_backend() == "cpu" and mesh is None and \
+            CpuDecodeAttention.fits(model_config.head_dim):
+        decode_kernel = load_decode_kernel(cache_root())[0]
     runner = Runner(model, RunnerConfig(
         num_pages=num_pages, page_size=config.page_size, max_slots=config.max_slots,
-        max_model_len=max_model_len, attention_backend=backend, max_num_batched_tokens=budget,
-        num_logprobs=MAX_LOGPROBS, decode_steps=config.decode_steps, kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled"),
+        max_model_len=max_model_len, attention_backend=backend, decode_kernel=decode_kernel,
+        max_num_batched_tokens=budget, num_logprobs=MAX_LOGPROBS, decode_steps=config.decode_steps,
+        kv_dtype=config.kv_dtype, cache_dir=os.path.join(cache_root(), "compiled"),
         speculative_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
         program_dtypes=plan.programs() if plan else (), min_rows=plan.min_rows if plan else None),
         mesh=mesh, other=other)

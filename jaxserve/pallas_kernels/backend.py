@@ -28,17 +28,18 @@ def select_backend(name: str = "auto") -> str:
 
 def ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, backend: str,
                      sm_scale: float | None = None, sliding_window=None, soft_cap: float | None = None,
-                     interpret: bool | None = None, layer=None) -> jax.Array:
+                     interpret: bool | None = None, layer=None, decode_rows=None) -> jax.Array:
     """Ragged paged attention (contract: `ragged_reference`) by the chosen backend.
 
     "pallas" runs the TPU kernel on a TPU and the GPU (Triton-style) kernel elsewhere, in
-    interpret mode on CPU (`interpret=None` decides by the default backend).
+    interpret mode on CPU (`interpret=None` decides by the default backend). `decode_rows`: what
+    computes "reference"'s decode rows instead of jnp (the CPU kernel, `jaxserve.cpu_kernels`).
     """
     resolved = select_backend(backend)
     args = (q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
     if resolved == "reference":
-        return ragged_paged_attention_reference(*args, **options)
+        return ragged_paged_attention_reference(*args, **options, decode_rows=decode_rows)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if jax.default_backend() == "tpu" and not interpret:
@@ -48,10 +49,10 @@ def ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, nu
     return ragged_paged_attention(*args, interpret=interpret, **options)
 
 
-def attention_fn(backend: str):
+def attention_fn(backend: str, decode_rows=None):
     """`attend(q, k_pool, v_pool, layer, meta, **options)` for the model: the step metadata unpacked
     into a ragged attention call by `backend` on layer `layer` of the stacked pool."""
     def attend(q, k_pool, v_pool, layer, meta, **options):
         return ragged_attention(q, k_pool, v_pool, meta.kv_lens, meta.block_tables, meta.query_start,
-                                meta.num_seqs, backend=backend, layer=layer, **options)
+                                meta.num_seqs, backend=backend, layer=layer, decode_rows=decode_rows, **options)
     return functools.wraps(ragged_attention)(attend)

@@ -34,6 +34,7 @@ S sequences, W pages per sequence, B pages per key block, L = B P keys per block
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -111,8 +112,10 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
                                      soft_cap: float | None = None, keys_per_block: int = KEYS_PER_BLOCK,
                                      rows_per_block: int = ROWS_PER_BLOCK,
                                      wide_block: tuple[int, int] = (WIDE_ROWS_PER_BLOCK, WIDE_KEYS_PER_BLOCK),
-                                     layer=None) -> jax.Array:
-    """Ragged paged attention in plain jnp (see the module docstring for the contract)."""
+                                     layer=None, decode_rows=None) -> jax.Array:
+    """Ragged paged attention in plain jnp (see the module docstring for the contract).
+    `decode_rows`: what computes the decode rows in place of `_decode_rows` (its arguments, less
+    `pages_per_block`), e.g. the engine's C++ kernel on a CPU (`jaxserve.cpu_kernels`)."""
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs,
                         sliding_window, soft_cap, name="ragged_paged_attention_reference", bits=True, layer=layer)
     kv_lens, block_tables, query_start, num_seqs = map(jnp.asarray, (kv_lens, block_tables, query_start, num_seqs))
@@ -135,9 +138,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     spare = max(rows for rows, _ in blocks) if tokens > 1 else 0  # one row: no chunk, no spare rows
     out = jnp.zeros((tokens + spare, heads, head_dim), jnp.float32)  # spare rows: slices never clamp
     is_decode = real & (q_len == 1)
-    decoded = _decode_rows(q[jnp.clip(query_start[:-1], 0, tokens - 1)], k_pages, v_pages,
-                           jnp.where(is_decode, kv_lens, 0), tables, pages_per_block=pages_per_block,
-                           **options)  # [S, H, D]
+    decode = decode_rows or functools.partial(_decode_rows, pages_per_block=pages_per_block)
+    decoded = decode(q[jnp.clip(query_start[:-1], 0, tokens - 1)], k_pages, v_pages,
+                     jnp.where(is_decode, kv_lens, 0), tables, **options)  # [S, H, D]
     out = out.at[jnp.where(is_decode, query_start[:-1], tokens + spare)].set(decoded, mode="drop")
     if tokens > 1:
         out = _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, query_start, real & (q_len > 1),

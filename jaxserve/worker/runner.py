@@ -53,6 +53,8 @@ class RunnerConfig:
     max_model_len: int
     max_num_batched_tokens: int  # the largest step
     attention_backend: str = "reference"  # "reference" or "pallas" (resolved from "auto" by the engine)
+    # The reference's decode rows by the CPU kernel (`jaxserve.cpu_kernels.decode_attention`), or None: jnp's
+    decode_kernel: object | None = None
     num_logprobs: int = 5
     decode_steps: int = 1  # > 1: the decode steps one program runs when every sequence decodes
     speculative_tokens: int = 0  # drafts a sequence may verify in a step: it samples up to 1 + these rows
@@ -86,7 +88,7 @@ class Runner:
         self.model_config = model.cfg
         self.mesh = mesh
         graphdef, self.state = nnx.split(model)
-        attend = attention_fn(config.attention_backend)
+        attend = attention_fn(config.attention_backend, decode_rows=config.decode_kernel)
         self.replicas = 1
         kv_sharding = None
         if mesh is not None:
