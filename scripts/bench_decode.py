@@ -21,7 +21,8 @@ rows plus one prompt chunk filling each token budget: tokens/s grows with the bu
 decode waits a whole step, so the default budget is the smallest that reaches most of the
 throughput.
 `--attention` times one layer's decode attention (Gemma 3 270M shapes) over a float32 and a
-bfloat16 pool against reading its K/V once at the measured read bandwidth. `--sampling` times
+bfloat16 pool against reading its K/V once at the measured read bandwidth, its decode rows in
+jnp and, on a CPU, by the C++ kernel (`jaxserve.cpu_kernels.decode_attention`). `--sampling` times
 the jitted `sample` on 16 rows of the model's own float32 logits (after 16 prefixes of one text),
 for greedy, a temperature, and the top-k, top-p and min-p cuts.
 """
@@ -29,6 +30,7 @@ for greedy, a temperature, and the top-k, top-p and min-p cuts.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import subprocess
@@ -83,11 +85,15 @@ def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
 
 
 def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
-    """One layer's decode attention, Gemma 3 270M shapes (4 query heads, 1 kv head, head dim 256)."""
+    """One layer's decode attention, Gemma 3 270M shapes (4 query heads, 1 kv head, head dim 256):
+    the reference's decode rows in jnp, and by the CPU kernel where it builds."""
+    from jaxserve.cpu_kernels import decode_attention
+    from jaxserve.model.loader import cache_root
     from jaxserve.worker.kv_pool import storage_dtype
     from jaxserve.pallas_kernels.ragged_reference import ragged_paged_attention_reference
-    print("\n| pool | batch | context | K/V bytes | ms | GB/s | at bandwidth ms | x of reading once |")
-    print("|---|---|---|---|---|---|---|---|")
+    kernel = decode_attention.load(cache_root())[0] if jax.default_backend() == "cpu" else None
+    print("\n| pool | decode rows | batch | context | K/V bytes | ms | GB/s | at bandwidth ms | x of reading once |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     context = (f"{args.context}" + (f"±{args.spread}" if args.spread else "")
                + (f", window {args.window}" if args.window else ""))
@@ -98,21 +104,22 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
         k, v = (jnp.asarray(rng.standard_normal((1, num_pages, page, 256)), jnp.dtype(dtype)) for _ in range(2))
         if storage_dtype(dtype, as_bits=True) == jnp.uint16:  # as the engine keeps it on CPU
             k, v = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (k, v))
-        attend = jax.jit(ragged_paged_attention_reference)
         for b in batches:
             tables = np.zeros((b, width), np.int32)
             tables[:, :pages_per_seq] = 1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq)
             q = jnp.asarray(rng.standard_normal((b, 4, 256)), jnp.float32)
             lens = np.linspace(args.context - args.spread, args.context + args.spread, b).astype(np.int32)
             starts = jnp.arange(b + 1, dtype=jnp.int32)
-            call = lambda: attend(q, k, v, jnp.asarray(lens), jnp.asarray(tables), starts,  # noqa: E731
-                                  jnp.array([b], jnp.int32), sliding_window=args.window)
-            seconds = timed(lambda: call().block_until_ready(), args.reps)
             held = np.minimum(lens, args.window) if args.window else lens  # what the layer must read
             nbytes = 2 * int(held.sum()) * 256 * jnp.dtype(dtype).itemsize
             ideal = nbytes / bandwidth
-            print(f"| {dtype} | {b} | {context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
-                  f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
+            for name, rows in [("jnp", None)] + ([("CPU kernel", kernel)] if kernel else []):
+                attend = jax.jit(functools.partial(ragged_paged_attention_reference, decode_rows=rows))
+                call = lambda: attend(q, k, v, jnp.asarray(lens), jnp.asarray(tables), starts,  # noqa: E731
+                                      jnp.array([b], jnp.int32), sliding_window=args.window)
+                seconds = timed(lambda: call().block_until_ready(), args.reps)
+                print(f"| {dtype} | {name} | {b} | {context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
+                      f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
 
 
 GROUPS = 6  # KV-cache groups of the default model (Gemma 3 270M): a table per group, pages apart

@@ -93,8 +93,8 @@ def test_a_long_context_and_a_page_outside_the_pool(kernel):
 
 
 def test_an_engine_decodes_with_the_kernel_as_with_jnp(checkpoints, monkeypatch, kernel):
-    """A tiny Gemma 3 (sliding and global layers): the forward program calls the kernel, once per
-    layer, and its greedy tokens are jnp's."""
+    """A tiny Gemma 3 (sliding and global layers): the forward program calls the kernel in its layers'
+    loop, on the pool in place (no copy of it), and its greedy tokens are jnp's."""
     cfg, weights, tokenizer = load_model(checkpoints("gemma3"))[:3]
     config = EngineConfig(dtype="float32", max_slots=4, page_size=8, num_pages=64, max_model_len=128)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
@@ -102,8 +102,10 @@ def test_an_engine_decodes_with_the_kernel_as_with_jnp(checkpoints, monkeypatch,
     engine = Engine(cfg, weights, tokenizer, config)
     assert engine.runner.config.decode_kernel == kernel and "decode rows by a CPU kernel" in engine.describe()
     jitted, args = engine.runner.program(("forward", engine.runner.buckets.token_sizes[0]))
-    hlo = jitted.lower(*args).as_text()
-    assert hlo.count(decode_attention.TARGET) == 1  # in the layers' scan
+    lowered = jitted.lower(*args)
+    assert lowered.as_text().count(decode_attention.TARGET) == 1  # in the layers' scan
+    pool = "[" + ",".join(map(str, engine.runner.kv_pool[0].shape)) + "]"
+    assert not [line for line in lowered.compile().as_text().splitlines() if pool in line and " copy(" in line]
     got = engine.generate(prompts, greedy)
     monkeypatch.setattr(resources, "load_decode_kernel", lambda folder: (None, "no kernel"))
     jnp_engine = Engine(cfg, weights, tokenizer, config)
