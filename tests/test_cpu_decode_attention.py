@@ -81,12 +81,15 @@ def test_the_stacked_pool_in_place_and_bfloat16_bits(kernel):
 
 
 def test_a_long_context_and_a_page_outside_the_pool(kernel):
-    """Keys past one block of 64, a window of them; a block table naming a page the pool does not
-    have is the kernel's error, not a read out of bounds."""
-    args = make_case(np.random.default_rng(9), [(300, 1), (129, 1), (64, 1)], page_size=16, head_dim=64)
-    for window in (None, 100):
-        got, want = both(kernel, args, sliding_window=window)
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    """Keys past one block of 64, a window of them; one sequence on one kv head, whose keys the
+    threads split when it holds 512 of them or more, window or not; a block table naming a page the
+    pool does not have is the kernel's error, not a read out of bounds."""
+    for seqs, kv_heads in (([(300, 1), (129, 1), (64, 1)], 2), ([(900, 1)], 1)):
+        args = make_case(np.random.default_rng(9), seqs, page_size=16, head_dim=64, pad_seqs=0, kv_heads=kv_heads,
+                         group=4)
+        for window in (None, 100, 600):
+            got, want = both(kernel, args, sliding_window=window)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     q, k, v, lens, tables, starts, seqs = args
     with pytest.raises(Exception, match="outside the pool"):
         both(kernel, (q, k, v, lens, tables.at[0, 3].set(k.shape[1]), starts, seqs))

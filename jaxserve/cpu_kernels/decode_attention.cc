@@ -36,6 +36,7 @@ using jaxserve::parallel_for;
 namespace {
 
 constexpr int64_t kKeys = 64;  // keys a block: their rows (converted from bfloat16) stay in the L1/L2 cache
+constexpr int64_t kPart = 256;  // the fewest keys a thread takes of a sequence split between threads
 
 struct Attention {
   const float* q;
@@ -134,55 +135,73 @@ void add_values(const float* const* rows, int64_t keys, const float* p, int64_t 
 #endif
 }
 
-// Sequence s's G query heads on kv head n. scratch: this thread's, grown as needed.
-void attend(const Attention& a, int64_t s, int64_t n, std::vector<float>& scratch) {
-  int64_t group = a.heads / a.kv_heads, dim = a.dim;
-  float* out = a.out + (s * a.heads + n * group) * dim;
-  int64_t length = a.lengths[s], first = std::max<int64_t>(length - a.window, 0), count = length - first;
-  std::fill(out, out + group * dim, 0.0f);
-  if (count <= 0) return;
+// Sequence s's G query heads on kv head n, over its keys at positions [t0, t1): acc [G, D] =
+// sum_t e_t v[t] with e_t = exp(score_t - most[g]), and total[g] = sum_t e_t (0 for no key).
+// scratch: this thread's, grown as needed.
+void attend(const Attention& a, int64_t s, int64_t n, int64_t t0, int64_t t1, float* acc, float* most, float* total,
+            std::vector<float>& scratch) {
+  int64_t group = a.heads / a.kv_heads, dim = a.dim, count = std::max<int64_t>(t1 - t0, 0);
+  std::fill(acc, acc + group * dim, 0.0f);
+  std::fill(total, total + group, 0.0f);
+  std::fill(most, most + group, 0.0f);
+  if (count == 0) return;
   scratch.resize(group * dim + group * count + kKeys * dim);
   float *q = scratch.data(), *p = q + group * dim, *buffer = p + group * count;
   const float* rows[kKeys];
   const float* query = a.q + (s * a.heads + n * group) * dim;
   for (int64_t i = 0; i < group * dim; ++i) q[i] = a.bf16 ? round_bf16(query[i]) : query[i];
 
-  for (int64_t t0 = 0; t0 < count; t0 += kKeys) {  // the scores
-    int64_t keys = std::min(kKeys, count - t0);
-    rows_of(a, a.k, s, n, first + t0, first + t0 + keys, buffer, rows);
+  for (int64_t i0 = 0; i0 < count; i0 += kKeys) {  // the scores
+    int64_t keys = std::min(kKeys, count - i0);
+    rows_of(a, a.k, s, n, t0 + i0, t0 + i0 + keys, buffer, rows);
     for (int64_t g = 0; g < group; ++g)
       for (int64_t i = 0; i < keys; ++i) {
         float score = dot(q + g * dim, rows[i], dim) * a.scale;
-        p[g * count + t0 + i] = a.soft_cap > 0 ? a.soft_cap * std::tanh(score / a.soft_cap) : score;
+        p[g * count + i0 + i] = a.soft_cap > 0 ? a.soft_cap * std::tanh(score / a.soft_cap) : score;
       }
   }
-  std::vector<float> total(group);
   for (int64_t g = 0; g < group; ++g) {  // the probabilities, unnormalized; their sum
     float* row = p + g * count;
-    float most = *std::max_element(row, row + count), sum = 0;
+    most[g] = *std::max_element(row, row + count);
     for (int64_t i = 0; i < count; ++i) {
-      float e = std::exp(row[i] - most);
-      sum += e;
+      float e = std::exp(row[i] - most[g]);
+      total[g] += e;
       row[i] = a.bf16 ? round_bf16(e) : e;
     }
-    total[g] = sum;
   }
-  for (int64_t t0 = 0; t0 < count; t0 += kKeys) {  // the values
-    int64_t keys = std::min(kKeys, count - t0);
-    rows_of(a, a.v, s, n, first + t0, first + t0 + keys, buffer, rows);
+  for (int64_t i0 = 0; i0 < count; i0 += kKeys) {  // the values
+    int64_t keys = std::min(kKeys, count - i0);
+    rows_of(a, a.v, s, n, t0 + i0, t0 + i0 + keys, buffer, rows);
     for (int64_t g = 0; g < group; g += 4) {
-      const float* pg = p + g * count + t0;
-      float* acc = out + g * dim;
+      const float* pg = p + g * count + i0;
       switch (std::min<int64_t>(4, group - g)) {
-        case 1: add_values<1>(rows, keys, pg, count, dim, acc); break;
-        case 2: add_values<2>(rows, keys, pg, count, dim, acc); break;
-        case 3: add_values<3>(rows, keys, pg, count, dim, acc); break;
-        default: add_values<4>(rows, keys, pg, count, dim, acc); break;
+        case 1: add_values<1>(rows, keys, pg, count, dim, acc + g * dim); break;
+        case 2: add_values<2>(rows, keys, pg, count, dim, acc + g * dim); break;
+        case 3: add_values<3>(rows, keys, pg, count, dim, acc + g * dim); break;
+        default: add_values<4>(rows, keys, pg, count, dim, acc + g * dim); break;
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] /= total[g];
+}
+
+// out [G, D] from the parts of one sequence's keys (acc [parts, G, D], most and total [parts, G]),
+// each weighed by exp(its most - the largest); zeros for no key.
+void merge(const float* acc, const float* most, const float* total, int64_t parts, int64_t group, int64_t dim,
+           float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float largest = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < parts; ++j)
+      if (total[j * group + g] > 0) largest = std::max(largest, most[j * group + g]);
+    std::fill(out + g * dim, out + (g + 1) * dim, 0.0f);
+    for (int64_t j = 0; j < parts; ++j) {
+      if (total[j * group + g] == 0) continue;
+      float weight = std::exp(most[j * group + g] - largest);
+      sum += weight * total[j * group + g];
+      for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += weight * acc[(j * group + g) * dim + d];
+    }
+    if (sum > 0)
+      for (int64_t d = 0; d < dim; ++d) out[g * dim + d] /= sum;
+  }
 }
 
 ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -213,9 +232,24 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       if (a.tables[s * a.width + w] < 0 || a.tables[s * a.width + w] >= a.pages)
         return ffi::Error::InvalidArgument("decode_attention: a block table names a page outside the pool");
   }
-  parallel_for(pool, qd[0] * a.kv_heads, [&](int64_t item) {
+  // A sequence and kv head a piece of work; with fewer of those than threads, a long sequence's
+  // keys are split into parts of at least kPart keys, their softmaxes merged after.
+  int64_t group = a.heads / a.kv_heads, items = qd[0] * a.kv_heads, longest = 0;
+  if (items == 0) return ffi::Error::Success();
+  for (int64_t s = 0; s < qd[0]; ++s)
+    longest = std::max<int64_t>(longest, a.lengths[s] - std::max<int64_t>(a.lengths[s] - a.window, 0));
+  int64_t parts = std::max<int64_t>(1, std::min(pool.num_threads() / items, longest / kPart));
+  std::vector<float> acc(items * parts * group * a.dim), most(items * parts * group), total(items * parts * group);
+  parallel_for(pool, items * parts, [&](int64_t piece) {
     thread_local std::vector<float> scratch;
-    attend(a, item / a.kv_heads, item % a.kv_heads, scratch);
+    int64_t item = piece / parts, j = piece % parts, s = item / a.kv_heads, n = item % a.kv_heads;
+    int64_t length = a.lengths[s], first = std::max<int64_t>(length - a.window, 0), count = length - first;
+    attend(a, s, n, first + count * j / parts, first + count * (j + 1) / parts, acc.data() + piece * group * a.dim,
+           most.data() + piece * group, total.data() + piece * group, scratch);
+  });
+  parallel_for(pool, items, [&](int64_t item) {
+    merge(acc.data() + item * parts * group * a.dim, most.data() + item * parts * group,
+          total.data() + item * parts * group, parts, group, a.dim, a.out + item * group * a.dim);
   });
   return ffi::Error::Success();
 }
