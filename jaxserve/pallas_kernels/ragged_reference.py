@@ -1,5 +1,6 @@
 """Ragged paged attention: the contract every backend meets, its input checks, and the plain-jnp
-implementation that is both the kernels' reference and the engine's attention on CPU.
+implementation that is both the kernels' reference and the engine's attention on CPU (there with
+its decode rows computed by a C++ kernel where one builds: `decode_rows`, `jaxserve.cpu_kernels`).
 
 One call serves a whole engine step: decode rows and prompt chunks of many sequences, flattened
 into one token axis. Sequence s owns the query rows `query_start[s] : query_start[s + 1]` and
