@@ -100,6 +100,9 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
     page, pages_per_seq = 16, -(-(args.context + args.spread) // 16)
     width = max(128, pages_per_seq)
     num_pages = 1 + max(batches) * pages_per_seq + 64
+    implementations = [(name, jax.jit(functools.partial(ragged_paged_attention_reference, decode_rows=rows,
+                                                        sliding_window=args.window)))
+                       for name, rows in [("jnp", None)] + ([("CPU kernel", kernel)] if kernel else [])]
     for dtype in ("float32", "bfloat16"):
         k, v = (jnp.asarray(rng.standard_normal((1, num_pages, page, 256)), jnp.dtype(dtype)) for _ in range(2))
         if storage_dtype(dtype, as_bits=True) == jnp.uint16:  # as the engine keeps it on CPU
@@ -109,15 +112,13 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
             tables[:, :pages_per_seq] = 1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq)
             q = jnp.asarray(rng.standard_normal((b, 4, 256)), jnp.float32)
             lens = np.linspace(args.context - args.spread, args.context + args.spread, b).astype(np.int32)
-            starts = jnp.arange(b + 1, dtype=jnp.int32)
+            inputs = (q, k, v, jnp.asarray(lens), jnp.asarray(tables), jnp.arange(b + 1, dtype=jnp.int32),
+                      jnp.array([b], jnp.int32))  # on the device before the timing, as a step's are
             held = np.minimum(lens, args.window) if args.window else lens  # what the layer must read
             nbytes = 2 * int(held.sum()) * 256 * jnp.dtype(dtype).itemsize
             ideal = nbytes / bandwidth
-            for name, rows in [("jnp", None)] + ([("CPU kernel", kernel)] if kernel else []):
-                attend = jax.jit(functools.partial(ragged_paged_attention_reference, decode_rows=rows))
-                call = lambda: attend(q, k, v, jnp.asarray(lens), jnp.asarray(tables), starts,  # noqa: E731
-                                      jnp.array([b], jnp.int32), sliding_window=args.window)
-                seconds = timed(lambda: call().block_until_ready(), args.reps)
+            for name, attend in implementations:
+                seconds = timed(lambda: attend(*inputs).block_until_ready(), args.reps)
                 print(f"| {dtype} | {name} | {b} | {context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
                       f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
 

@@ -57,6 +57,9 @@ float round_bf16(float x) {  // to the nearest bfloat16, ties to even (XLA's con
   return x;
 }
 
+// The first position sequence s's window reaches (its keys: [first, length)).
+int64_t window_start(const Attention& a, int64_t s) { return std::max<int64_t>(a.lengths[s] - a.window, 0); }
+
 // The rows of keys [t0, t1) of sequence s's kv head n in `pool`, as float32: pointers into the pool,
 // or, for a bfloat16 pool, into `buffer` [kKeys, D], where they are widened.
 void rows_of(const Attention& a, const void* pool, int64_t s, int64_t n, int64_t t0, int64_t t1, float* buffer,
@@ -224,26 +227,26 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
               soft_cap, out->typed_data()};
   if (a.layer < 0 || a.layer >= a.layers)
     return ffi::Error::InvalidArgument("decode_attention: the layer is out of the pool");
+  int64_t longest = 0;  // keys of the sequence with the most
   for (int64_t s = 0; s < qd[0]; ++s) {  // every page a sequence's keys are read from is in the pool
-    int64_t length = a.lengths[s], first = std::max<int64_t>(length - a.window, 0);
+    int64_t length = a.lengths[s], first = window_start(a, s);
     if (length > a.width * a.page_size)
       return ffi::Error::InvalidArgument("decode_attention: a sequence is longer than its block table");
     for (int64_t w = first / a.page_size; w * a.page_size < length; ++w)
       if (a.tables[s * a.width + w] < 0 || a.tables[s * a.width + w] >= a.pages)
         return ffi::Error::InvalidArgument("decode_attention: a block table names a page outside the pool");
+    longest = std::max(longest, length - first);
   }
   // A sequence and kv head a piece of work; with fewer of those than threads, a long sequence's
   // keys are split into parts of at least kPart keys, their softmaxes merged after.
-  int64_t group = a.heads / a.kv_heads, items = qd[0] * a.kv_heads, longest = 0;
+  int64_t group = a.heads / a.kv_heads, items = qd[0] * a.kv_heads;
   if (items == 0) return ffi::Error::Success();
-  for (int64_t s = 0; s < qd[0]; ++s)
-    longest = std::max<int64_t>(longest, a.lengths[s] - std::max<int64_t>(a.lengths[s] - a.window, 0));
   int64_t parts = std::max<int64_t>(1, std::min(pool.num_threads() / items, longest / kPart));
   std::vector<float> acc(items * parts * group * a.dim), most(items * parts * group), total(items * parts * group);
   parallel_for(pool, items * parts, [&](int64_t piece) {
     thread_local std::vector<float> scratch;
     int64_t item = piece / parts, j = piece % parts, s = item / a.kv_heads, n = item % a.kv_heads;
-    int64_t length = a.lengths[s], first = std::max<int64_t>(length - a.window, 0), count = length - first;
+    int64_t first = window_start(a, s), count = a.lengths[s] - first;
     attend(a, s, n, first + count * j / parts, first + count * (j + 1) / parts, acc.data() + piece * group * a.dim,
            most.data() + piece * group, total.data() + piece * group, scratch);
   });
