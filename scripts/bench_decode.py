@@ -7,6 +7,7 @@
     python scripts/bench_decode.py --attention --batches 16 --context 4096 --spread 2048 --window 512
     python scripts/bench_decode.py --sampling                # sampling on 16 rows of the model's logits
     python scripts/bench_decode.py --dtypes float32,bfloat16,auto --hide-bf16-flags  # auto's measured plan
+    python scripts/bench_decode.py --int8-layers --batches 1,2,8,32   # the kernel's two layer layouts
 
 For each dtype and batch size B it times the engine's compiled step on B decode tokens (each
 sequence holding `--context` tokens in the pool) and prints tokens/s, the step's FLOPs and the
@@ -24,7 +25,10 @@ throughput.
 bfloat16 pool against reading its K/V once at the measured read bandwidth, its decode rows in
 jnp and, on a CPU, by the C++ kernel (`jaxserve.cpu_kernels.decode_attention`). `--sampling` times
 the jitted `sample` on 16 rows of the model's own float32 logits (after 16 prefixes of one text),
-for greedy, a temperature, and the top-k, top-p and min-p cuts.
+for greedy, a temperature, and the top-k, top-p and min-p cuts. `--int8-layers` times the
+model's layers' int8 dots (qkv, o, gate/up and down of every layer, read in their stacks) by the
+CPU kernel (`jaxserve.cpu_kernels.int8_dot`) with the matrices held [in, out] and [out, in]
+(`Int8Dot.layers_transposed`), the two alternating `--reps` times.
 """
 
 from __future__ import annotations
@@ -121,6 +125,60 @@ def attention_sweep(args, batches: list[int], bandwidth: float) -> None:
                 seconds = timed(lambda: attend(*inputs).block_until_ready(), args.reps)
                 print(f"| {dtype} | {name} | {b} | {context} | {nbytes / 2**20:.1f} MiB | {seconds * 1e3:.2f} | "
                       f"{nbytes / seconds / 1e9:.1f} | {ideal * 1e3:.2f} | {seconds / ideal:.1f} |", flush=True)
+
+
+def int8_layer_sweep(args, batches: list[int]) -> None:
+    """The default model's layers' int8 dots on `batches` rows by the CPU kernel, read in their
+    stacks as the engine reads them, in both layouts; random int8 weights of the model's shapes."""
+    from jaxserve.cpu_kernels import int8_dot
+    from jaxserve.model.loader import cache_root
+    from jaxserve.model.quantization import Int8Dot
+    from jaxserve.model.transformer import MATRICES
+    from jaxserve.worker.dtype_plan import layer_matrices
+    kernel, why = int8_dot.load(cache_root())
+    if kernel is None:
+        return print(why)
+    cfg = load_model(args.model)[0]
+    rng = np.random.default_rng(0)
+    shapes = dict(zip(MATRICES, layer_matrices(cfg)))  # [in, out]
+    stacks = {name: rng.integers(-127, 128, (cfg.num_layers, *shape), dtype=np.int8) for name, shape in shapes.items()}
+    scales = {name: rng.random((cfg.num_layers, 1, shape[1]), dtype=np.float32) for name, shape in shapes.items()}
+    nbytes = sum(w.nbytes for w in stacks.values())
+    layouts = {}
+    for transposed in (False, True):
+        quant = Int8Dot("int8", "float32", 0, None, 0, max(batches), kernel, layers_transposed=transposed)
+        held = {name: tuple(jnp.asarray(a.swapaxes(1, 2) if transposed else a) for a in (stacks[name], scales[name]))
+                for name in MATRICES}
+
+        def layers(x, held, quant=quant):
+            def layer(i, x):  # each matrix on the running sum, tiled to its width: one chain of dots
+                for name in MATRICES:
+                    x = x + 1e-3 * _fit(quant.dense(_fit(x, shapes[name][0]), *held[name], at=i), x.shape[1])
+                return x
+            return jax.lax.fori_loop(0, cfg.num_layers, layer, x)
+        layouts["[out, in]" if transposed else "[in, out]"] = (jax.jit(layers), held)
+    print(f"\n{cfg.num_layers} layers' int8 matrices, {nbytes / 1e6:.1f} MB, by the CPU kernel; median ms of "
+          f"{args.reps} alternating runs")
+    print("| rows | " + " | ".join(f"{name} ms | GB/s" for name in layouts) + " | [in, out] / [out, in] |")
+    print("|---|" + "---|---|" * len(layouts) + "---|")
+    for rows in batches:
+        x = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)), jnp.float32)
+        for fn, held in layouts.values():
+            fn(x, held).block_until_ready()
+        times = {name: [] for name in layouts}
+        for _ in range(args.reps):
+            for name, (fn, held) in layouts.items():
+                start = time.perf_counter()
+                fn(x, held).block_until_ready()
+                times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        cells = " | ".join(f"{m:.2f} | {nbytes / m / 1e6:.1f}" for m in ms.values())
+        print(f"| {rows} | {cells} | {ms['[in, out]'] / ms['[out, in]']:.2f}x |", flush=True)
+
+
+def _fit(x: jax.Array, width: int) -> jax.Array:
+    """x [R, C] tiled or cut to [R, width]."""
+    return jnp.tile(x, (1, -(-width // x.shape[1])))[:, :width]
 
 
 GROUPS = 6  # KV-cache groups of the default model (Gemma 3 270M): a table per group, pages apart
@@ -263,6 +321,8 @@ def main(argv=None) -> None:
                    help="--attention: sequences hold context-spread to context+spread tokens, evenly")
     p.add_argument("--window", type=int, default=None, help="--attention: a sliding-window layer's window")
     p.add_argument("--sampling", action="store_true", help="time sampling on the model's logits instead")
+    p.add_argument("--int8-layers", action="store_true",
+                   help="time the layers' int8 dots by the CPU kernel in both layouts instead")
     p.add_argument("--hide-bf16-flags", action="store_true",
                    help="dtype auto as on a CPU without bfloat16 dot instructions: loaded in float32, and each "
                         "bucket's dtype measured (jaxserve.worker.dtype_plan); the dots still run at this CPU's speeds")
@@ -279,6 +339,8 @@ def main(argv=None) -> None:
     print(f"CPU: {model}; jax {jax.__version__}, backend {jax.default_backend()}")
     if args.sampling:
         return sampling_sweep(args)
+    if args.int8_layers:
+        return int8_layer_sweep(args, [int(b) for b in args.batches.split(",")])
     peak32, peak16, bandwidth = matmul_peak(jnp.float32), matmul_peak(jnp.bfloat16), read_bandwidth()
     print(f"roofline: 2048^3 dot {peak32 / 1e9:.0f} GFLOP/s float32, {peak16 / 1e9:.0f} GFLOP/s bfloat16, "
           f"{matmul_peak(jnp.int8) / 1e9:.0f} GOP/s int8; "

@@ -4,6 +4,7 @@ in an engine's steps, and its build."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -100,9 +101,13 @@ def test_int8_dots_by_the_kernel_equal_xlas_integer_dots(kernel):
     dense = quantize(w, 0, None)
     untied = with_outliers(*quantize(w, 0, GROUP), 0, 8)
     tied = with_outliers(*quantize(w.T, 1, GROUP), 1, 8)
+    transposed = quantize(w.T, 1, None)  # the layers held [out, in]
     xla, ours = (Int8Dot("int8", "float32", 64, None, 8, 4, k) for k in (None, kernel))
+    held = [dataclasses.replace(d, layers_transposed=True) for d in (xla, ours)]
     for rows in (1, 4, 7):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda x: held[1].dense(x, *transposed))(x)),
+                                   np.asarray(jax.jit(lambda x: held[0].dense(x, *transposed))(x)), rtol=1e-6, atol=1e-5)
         for dot in (lambda d: d.dense(x, *dense), lambda d: d.output_layer(x, *untied[:2], False, *untied[2:]),
                     lambda d: d.output_layer(x, *tied[:2], True, *tied[2:])):
             want = np.asarray(jax.jit(lambda x: dot(xla))(x))
@@ -128,6 +133,8 @@ def test_an_engine_with_the_kernel_decodes_the_tokens_of_xlas_integer_dots(check
     layers = kernel_calls(("forward", engine.runner.buckets.token_sizes[0]))
     in_stacks = [c for c in layers if re.search(rf"tensor<{cfg.num_layers}x\d+x\d+xi8>", c)]
     assert len(layers) == len(in_stacks) == 4  # the layers' qkv, o, gate/up and down, read in their stacks
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # held [out, in] for the kernel
+    assert engine.runner.quant.layers_transposed and f"tensor<{cfg.num_layers}x{qkv}x{cfg.hidden_size}xi8>" in layers[0]
     got = engine.generate(prompts, greedy)
     monkeypatch.setattr(resources, "load_int8_kernel", lambda folder: (None, "no kernel"))
     xla = Engine(cfg, weights, tokenizer, config)

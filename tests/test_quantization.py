@@ -5,6 +5,7 @@ weight), the compile cache's key, and the errors and choices of `quantization=`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -112,9 +113,12 @@ def test_the_dots_equal_a_float64_reference_of_the_same_int8_weights(mode, group
                  (dot.output_layer(x, q, s, tied=False), reference_dot(x, q, s, 0, mode == "w8a8", integer)),
                  (dot.output_layer(x, tied_q, tied_s, tied=True),
                   reference_dot(x, tied_q, tied_s, 1, mode == "w8a8", integer))]
+        held = dataclasses.replace(dot, layers_transposed=True)  # the layers [out, in], as a tied embedding
+        cases.append((held.dense(x, tied_q, tied_s), reference_dot(x, tied_q, tied_s, 1, mode == "w8a8", integer)))
         if integer:  # more rows: converted dots, the activations as they are
             more = rng.standard_normal((INTEGER + 3, 64)).astype(np.float32)
             cases += [(dot.dense(more, q, s), reference_dot(more, q, s, 0, False)),
+                      (held.dense(more, tied_q, tied_s), reference_dot(more, tied_q, tied_s, 1, False)),
                       (dot.output_layer(more, tied_q, tied_s, tied=True), reference_dot(more, tied_q, tied_s, 1, False))]
         for got, want in cases:
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

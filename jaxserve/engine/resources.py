@@ -146,8 +146,9 @@ def resolve_quantization(config: EngineConfig, model_config: ModelConfig, mesh) 
                          f"({', '.join(sorted(INT8_FLAGS))}); choose one of {QUANTIZATIONS}, e.g. 'int8'")
     # XLA:CPU converts a whole int8 operand before a dot: the output layer is read in blocks
     rows = block_rows(model_config.vocab_size, model_config.hidden_size) if cpu and mesh is None else 0
+    kernel = kernel if any(integer_rows) else None
     quant = Int8Dot(mode, config.weights_dtype, rows, GROUPS[mode], OUTLIERS[mode], integer_rows[0],  # w8a8: 0
-                    kernel if any(integer_rows) else None, integer_rows[1])
+                    kernel, integer_rows[1], layers_transposed=kernel is not None and integer_rows[0] > 0)
     return quant, f"{reason}; {integer_reason}" if integer_reason else reason
 
 

@@ -146,7 +146,10 @@ class Int8Dot:
     as XLA:CPU converts a whole int8 operand before a float dot; 0: none); the output layer's up
     to `output_integer_rows` (None: as the layers'). `kernel`: a CPU kernel
     computing those integer dots (`jaxserve.cpu_kernels.int8_dot`, injected: the model imports no
-    kernel), called for the matrices it `fits`; None: XLA's integer dot."""
+    kernel), called for the matrices it `fits`; None: XLA's integer dot. `layers_transposed`: the
+    layers' matrices are held [out, in] with their scales [out, in / group], as a tied embedding
+    is, instead of [in, out] and [in / group, out] (the kernel reads a few rows' dots of Gemma 3's
+    layers 1.3-1.5x faster so: each output one contiguous run of weights)."""
 
     mode: str
     compute_dtype: str
@@ -156,6 +159,7 @@ class Int8Dot:
     integer_rows: int = 0
     kernel: Callable | None = None
     output_integer_rows: int | None = None
+    layers_transposed: bool = False
 
     def __post_init__(self):
         if self.mode == "w8a8" and self.group is not None:
@@ -181,12 +185,16 @@ class Int8Dot:
         outliers = (f", the output layer one per output channel with its {self.outliers} largest input "
                     f"channels in float32" if self.outliers else "")
         blocks = f", in blocks of {self.block_rows} rows" if self.block_rows else ""
-        return f"{how}, float16 scales {scales}{outliers}{blocks}"
+        held = ", the layers held [out, in]" if self.layers_transposed else ""
+        return f"{how}, float16 scales {scales}{outliers}{blocks}{held}"
 
     def dense(self, x: jax.Array, q: jax.Array, scale: jax.Array, at: jax.Array | None = None) -> jax.Array:
-        """x [..., K] @ w [K, N] in float32, w = dequantize(q, scale, axis=0); or w the matrix `at`
-        of a stack q [L, K, N] (its scales [L, 1, N]), which the kernel reads in place."""
-        return self._dot(x, q, scale, 0, (((x.ndim - 1,), (0,)), ((), ())), self._integer_at(x, self.integer_rows), at)
+        """x [..., K] @ w [K, N] in float32, w = dequantize(q, scale, axis=0) (q [N, K] and
+        dequantized along axis 1 with `layers_transposed`); or w the matrix `at` of a stack q
+        [L, ...] (its scales [L, ...]), which the kernel reads in place."""
+        axis = 1 if self.layers_transposed else 0
+        return self._dot(x, q, scale, axis, (((x.ndim - 1,), (axis,)), ((), ())),
+                         self._integer_at(x, self.integer_rows), at)
 
     def output_layer(self, x: jax.Array, q: jax.Array, scale: jax.Array, tied: bool,
                      channels: jax.Array | None = None, kept: jax.Array | None = None) -> jax.Array:

@@ -98,6 +98,8 @@ class Transformer(nnx.Module):
             if name + "_scale" not in stacked:  # not quantized by the loader
                 stacked[name], stacked[name + "_scale"] = quantize_on_device(put(stacked[name]), 1, quant.group)
             _check_group(stacked[name].shape[1], stacked[name + "_scale"].shape[1], quant.group, quant, name)
+            if quant.layers_transposed:  # [L, out, in] and [L, out, in / group]
+                stacked[name], stacked[name + "_scale"] = (stacked[n].swapaxes(1, 2) for n in (name, name + "_scale"))
         self.layers = DecoderLayer(cfg, {name: put(as_bits(w)) for name, w in stacked.items()}, quant)
 
     def __call__(self, tokens, kv_pool: KVPool, meta: StepMetadata, *, attend: Attend, logits_indices=None):

@@ -181,11 +181,12 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
     return timings
 
 
-def layer_dots(x, stacked, dot=None):
+def layer_dots(x, stacked, dot=None, transposed: bool = False):
     """x [T, D] through each layer's qkv, o, gate/up and down matrices, as `Transformer` runs them:
-    `dot(x, w)`, by default `dense` on float weights kept as bits (`as_bits`)."""
+    `dot(x, w)`, by default `dense` on float weights kept as bits (`as_bits`); the matrices
+    [in, out], or [out, in] if `transposed`."""
     dot = dot or (lambda x, w: dense(x, from_bits(w)))
-    rows = lambda w: jax.tree.leaves(w)[0].shape[0]  # noqa: E731 (an int8 matrix comes with its scales)
+    rows = lambda w: jax.tree.leaves(w)[0].shape[-1 if transposed else 0]  # noqa: E731 (an int8 matrix comes with its scales)
 
     def layer(x, weights):
         qkv, o, gate_up, down = weights

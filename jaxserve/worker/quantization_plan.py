@@ -44,7 +44,7 @@ from jaxserve.worker.dtype_plan import (MAX_TIMED_BYTES, best_ms, clearly_faster
 from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
-FORM = "int8 layers per channel, output layer with float channels"  # the int8 dots timed: a new form times again
+FORM = "int8 layers per channel ([out, in] with a kernel), output layer with float channels"  # the int8 dots timed: a new form times again
 INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # row counts at which integer and converted dots are timed
 PARTS = ("layers", "output layer")  # of a step's dots, each with its own integer rows
 MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
@@ -180,7 +180,10 @@ class DecodeDots:
 
     @functools.cached_property
     def int8_parts(self):
-        return dict(zip(PARTS, ([quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in self.stacked],
+        layers = [quantize_on_device(jnp.asarray(w), 1, GROUPS["int8"]) for w in self.stacked]
+        if self.kernel is not None:  # held as the engine holds them for the kernel (`layers_transposed`)
+            layers = [tuple(a.swapaxes(1, 2) for a in matrix) for matrix in layers]
+        return dict(zip(PARTS, (layers,
                                 with_outliers(*quantize_on_device(jnp.asarray(self.head), 1, STORED["int8"]), 1,
                                               OUTLIERS["int8"]))))
 
@@ -189,9 +192,10 @@ class DecodeDots:
 
     def int8_ms(self, rows: int, integer_rows: tuple[int, int], reps: int, parts=PARTS) -> dict[str, float]:
         blocks = self.block if jax.default_backend() == "cpu" else 0  # as resources.resolve_quantization
+        transposed = self.kernel is not None
         quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows[0],
-                        self.kernel if any(integer_rows) else None, integer_rows[1])
-        fns = (lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs)),
+                        self.kernel if any(integer_rows) else None, integer_rows[1], transposed)
+        fns = (lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs), transposed),
                lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:]))
         return self._ms(dict(zip(PARTS, fns)), self.int8_parts, rows, reps, parts)
 
