@@ -284,11 +284,12 @@ TINY = (0.2, 0.1)  # a tiny model's: under a millisecond apart
 
 @pytest.mark.parametrize("timings,chosen,asked", [
     # per part, (converted, integer) ms at 1, 2, 4, ... rows; what is chosen, and the rows each part was timed at
-    ({"layers": [TIE, FASTER, FASTER, SLOWER], "output layer": [FASTER] * 7}, (4, 64), (4, 7)),  # a tie at 1 row
+    ({"layers": [TIE, FASTER, FASTER, SLOWER], "output layer": [FASTER] * 9}, (4, 256), (4, 9)),  # a tie at 1 row
     ({"layers": [SLOWER], "output layer": [FASTER] * 5 + [SLOWER]}, (0, 16), (1, 6)),  # slower at one row
     ({"layers": [FASTER, SLOWER], "output layer": [FASTER, TIE, SLOWER]}, (1, 2), (2, 3)),  # a tie after a win
-    ({"layers": [FASTER, FASTER, TIE, TIE, SLOWER], "output layer": [TIE] * 7}, (8, 0), (5, 7)),  # ties alone: none
-    ({"layers": [TINY] * 7, "output layer": [TINY] * 7}, (0, 0), (7, 7)),
+    ({"layers": [FASTER, FASTER, TIE, TIE, SLOWER], "output layer": [TIE] * 9}, (8, 0), (5, 9)),  # ties alone: none
+    ({"layers": [FASTER] * 8 + [SLOWER], "output layer": [FASTER] * 7 + [SLOWER]}, (128, 64), (9, 8)),  # prompt chunks
+    ({"layers": [TINY] * 9, "output layer": [TINY] * 9}, (0, 0), (9, 9)),
     (RuntimeError("no measurement"), (0, 0), None)])
 def test_integer_dots_are_taken_up_to_the_most_rows_where_they_were_clearly_faster_or_tied_after(
         timings, chosen, asked, tmp_path, monkeypatch):

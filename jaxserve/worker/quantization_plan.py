@@ -13,8 +13,9 @@ int8 weights as they are. Which is faster depends on the CPU and the row count, 
 int8 dot instructions: with AVX-512 VNNI (AMD EPYC) integer dots won at 1 and 2 rows and lost at
 8; on an AVX2-only AMD EPYC they tied at 1 row and won at 2 and 4 (docs/quantization.md); the
 engine's C++ kernel for them (`jaxserve.cpu_kernels.int8_dot`, where it builds) won at every count
-up to 64 there, on the output layer by more than on the layers. So both forms are timed at
-`INTEGER_CANDIDATES` rows, for the layers and the output layer apart (`PARTS`), and each part takes
+up to 256 there (a prompt chunk's rows too), on the output layer by more than on the layers. So
+both forms are timed at `INTEGER_CANDIDATES` rows, for the layers and the output layer apart
+(`PARTS`), and each part takes
 integer dots up to the most rows at which they were clearly faster, or tied after a win (stopping
 at the first row count where they were clearly slower). On GPUs and TPUs XLA fuses the conversion
 into the dot: no integer dots.
@@ -45,7 +46,7 @@ from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 FORM = "int8 layers per channel ([out, in] with a kernel), output layer with float channels"  # the int8 dots timed: a new form times again
-INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # row counts at which integer and converted dots are timed
+INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # row counts at which integer and converted dots are timed
 PARTS = ("layers", "output layer")  # of a step's dots, each with its own integer rows
 MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
 _chosen: dict[str, tuple[int, int]] = {}  # integer rows chosen in this process, by key: one choice per process
@@ -109,7 +110,7 @@ def integer_rows(cfg: ModelConfig, dtype: str, cache_file: str, measure=None, ke
         _chosen[key] = tuple(most_integer_rows(timings, part) for part in PARTS)
     chosen = _chosen[key]
     said = ", ".join(f"{part} up to {rows} rows" if rows else f"{part} converted" for part, rows in zip(PARTS, chosen))
-    return chosen, f"integer dots: {said}; a decode step's dots at {', '.join(map(str, INTEGER_CANDIDATES))} rows " \
+    return chosen, f"integer dots: {said}; a step's dots at {', '.join(map(str, INTEGER_CANDIDATES))} rows " \
                    f"measured here"
 
 
