@@ -186,7 +186,8 @@ def layer_dots(x, stacked, dot=None, transposed: bool = False):
     `dot(x, w)`, by default `dense` on float weights kept as bits (`as_bits`); the matrices
     [in, out], or [out, in] if `transposed`."""
     dot = dot or (lambda x, w: dense(x, from_bits(w)))
-    rows = lambda w: jax.tree.leaves(w)[0].shape[-1 if transposed else 0]  # noqa: E731 (an int8 matrix comes with its scales)
+    # an int8 matrix comes with its scales: its rows are its first leaf's
+    rows = lambda w: jax.tree.leaves(w)[0].shape[-1 if transposed else 0]  # noqa: E731
 
     def layer(x, weights):
         qkv, o, gate_up, down = weights

@@ -15,9 +15,8 @@ int8 dot instructions: with AVX-512 VNNI (AMD EPYC) integer dots won at 1 and 2 
 engine's C++ kernel for them (`jaxserve.cpu_kernels.int8_dot`, where it builds) won at every count
 up to 256 there (a prompt chunk's rows too), on the output layer by more than on the layers. So
 both forms are timed at `INTEGER_CANDIDATES` rows, for the layers and the output layer apart
-(`PARTS`), and each part takes
-integer dots up to the most rows at which they were clearly faster, or tied after a win (stopping
-at the first row count where they were clearly slower). On GPUs and TPUs XLA fuses the conversion
+(`PARTS`), and each part takes integer dots up to the most rows at which they were clearly faster,
+or tied after a win (stopping at the first row count where they were clearly slower). On GPUs and TPUs XLA fuses the conversion
 into the dot: no integer dots.
 
 The timings are kept in `$JAXSERVE_CACHE/quantization_plans.json`, keyed by the CPU, jax, the XLA
@@ -45,7 +44,8 @@ from jaxserve.worker.dtype_plan import (MAX_TIMED_BYTES, best_ms, clearly_faster
 from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
-FORM = "int8 layers per channel ([out, in] with a kernel), output layer with float channels"  # the int8 dots timed: a new form times again
+# the int8 dots timed: a new form times again
+FORM = "int8 layers per channel ([out, in] with a kernel), output layer with float channels"
 INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # row counts at which integer and converted dots are timed
 PARTS = ("layers", "output layer")  # of a step's dots, each with its own integer rows
 MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
