@@ -133,29 +133,22 @@ def int8_layer_sweep(args, batches: list[int]) -> None:
     from jaxserve.cpu_kernels import int8_dot
     from jaxserve.model.loader import cache_root
     from jaxserve.model.quantization import Int8Dot
-    from jaxserve.model.transformer import MATRICES
-    from jaxserve.worker.dtype_plan import layer_matrices
+    from jaxserve.worker.dtype_plan import layer_dots, layer_matrices
     kernel, why = int8_dot.load(cache_root())
     if kernel is None:
         return print(why)
     cfg = load_model(args.model)[0]
     rng = np.random.default_rng(0)
-    shapes = dict(zip(MATRICES, layer_matrices(cfg)))  # [in, out]
-    stacks = {name: rng.integers(-127, 128, (cfg.num_layers, *shape), dtype=np.int8) for name, shape in shapes.items()}
-    scales = {name: rng.random((cfg.num_layers, 1, shape[1]), dtype=np.float32) for name, shape in shapes.items()}
-    nbytes = sum(w.nbytes for w in stacks.values())
+    shapes = layer_matrices(cfg)  # [in, out]
+    stacks = [(rng.integers(-127, 128, (cfg.num_layers, *shape), dtype=np.int8),
+               rng.random((cfg.num_layers, 1, shape[1]), dtype=np.float32)) for shape in shapes]
+    nbytes = sum(q.nbytes for q, _ in stacks)
     layouts = {}
     for transposed in (False, True):
         quant = Int8Dot("int8", "float32", 0, None, 0, max(batches), kernel, layers_transposed=transposed)
-        held = {name: tuple(jnp.asarray(a.swapaxes(1, 2) if transposed else a) for a in (stacks[name], scales[name]))
-                for name in MATRICES}
-
-        def layers(x, held, quant=quant):
-            def layer(i, x):  # each matrix on the running sum, tiled to its width: one chain of dots
-                for name in MATRICES:
-                    x = x + 1e-3 * _fit(quant.dense(_fit(x, shapes[name][0]), *held[name], at=i), x.shape[1])
-                return x
-            return jax.lax.fori_loop(0, cfg.num_layers, layer, x)
+        held = [tuple(jnp.asarray(a.swapaxes(1, 2) if transposed else a) for a in matrix) for matrix in stacks]
+        layers = functools.partial(layer_dots, dot=lambda x, qs, at, quant=quant: quant.dense(x, *qs, at),
+                                   transposed=transposed, in_place=True)
         layouts["[out, in]" if transposed else "[in, out]"] = (jax.jit(layers), held)
     print(f"\n{cfg.num_layers} layers' int8 matrices, {nbytes / 1e6:.1f} MB, by the CPU kernel; median ms of "
           f"{args.reps} alternating runs")
@@ -174,11 +167,6 @@ def int8_layer_sweep(args, batches: list[int]) -> None:
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         cells = " | ".join(f"{m:.2f} | {nbytes / m / 1e6:.1f}" for m in ms.values())
         print(f"| {rows} | {cells} | {ms['[in, out]'] / ms['[out, in]']:.2f}x |", flush=True)
-
-
-def _fit(x: jax.Array, width: int) -> jax.Array:
-    """x [R, C] tiled or cut to [R, width]."""
-    return jnp.tile(x, (1, -(-width // x.shape[1])))[:, :width]
 
 
 GROUPS = 6  # KV-cache groups of the default model (Gemma 3 270M): a table per group, pages apart

@@ -181,19 +181,23 @@ def measure_dots(cfg: ModelConfig, token_sizes, row_sizes, reps: int = 3) -> dic
     return timings
 
 
-def layer_dots(x, stacked, dot=None, transposed: bool = False):
+def layer_dots(x, stacked, dot=None, transposed: bool = False, in_place: bool = False):
     """x [T, D] through each layer's qkv, o, gate/up and down matrices, as `Transformer` runs them:
     `dot(x, w)`, by default `dense` on float weights kept as bits (`as_bits`); the matrices
-    [in, out], or [out, in] if `transposed`."""
+    [in, out], or [out, in] if `transposed`. `in_place`: `dot(x, w, i)` gets the whole stacks and
+    the layer i, as int8's CPU kernel reads them (`Transformer.hidden_states`), not a slice."""
     dot = dot or (lambda x, w: dense(x, from_bits(w)))
     # an int8 matrix comes with its scales: its rows are its first leaf's
-    rows = lambda w: jax.tree.leaves(w)[0].shape[-1 if transposed else 0]  # noqa: E731
+    rows = lambda w: jax.tree.leaves(w)[0].shape[-1 if transposed else -2]  # noqa: E731
 
-    def layer(x, weights):
+    def layer(x, weights, at=None):
+        call = (lambda x, w: dot(x, w, at)) if in_place else dot
         qkv, o, gate_up, down = weights
-        x = x + dot(dot(x, qkv)[:, :rows(o)], o)
-        return x + dot(dot(x, gate_up)[:, :rows(down)], down), None
-    return jax.lax.scan(layer, x, stacked)[0]
+        x = x + call(call(x, qkv)[:, :rows(o)], o)
+        return x + call(call(x, gate_up)[:, :rows(down)], down)
+    if in_place:
+        return jax.lax.fori_loop(0, jax.tree.leaves(stacked)[0].shape[0], lambda i, x: layer(x, stacked, i), x)
+    return jax.lax.scan(lambda x, weights: (layer(x, weights), None), x, stacked)[0]
 
 
 def compile_dots(fn, rows: int, d: int, weights):

@@ -45,7 +45,7 @@ from jaxserve.worker.machine import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 # the int8 dots timed: a new form times again
-FORM = "int8 layers per channel ([out, in] with a kernel), output layer with float channels"
+FORM = "int8 layers per channel ([out, in] and read in their stacks with a kernel), output layer with float channels"
 INTEGER_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # row counts at which integer and converted dots are timed
 PARTS = ("layers", "output layer")  # of a step's dots, each with its own integer rows
 MIN_TIMED_INT8_BYTES = 32 << 20  # smaller models take converted dots untimed: read in about a millisecond
@@ -193,10 +193,10 @@ class DecodeDots:
 
     def int8_ms(self, rows: int, integer_rows: tuple[int, int], reps: int, parts=PARTS) -> dict[str, float]:
         blocks = self.block if jax.default_backend() == "cpu" else 0  # as resources.resolve_quantization
-        transposed = self.kernel is not None
+        kernel = self.kernel is not None  # the layers held and read as the engine does for it
         quant = Int8Dot("int8", self.dtype, blocks, GROUPS["int8"], OUTLIERS["int8"], integer_rows[0],
-                        self.kernel if any(integer_rows) else None, integer_rows[1], transposed)
-        fns = (lambda x, w: layer_dots(x, w, lambda x, qs: quant.dense(x, *qs), transposed),
+                        self.kernel if any(integer_rows) else None, integer_rows[1], kernel)
+        fns = (lambda x, w: layer_dots(x, w, lambda x, qs, at=None: quant.dense(x, *qs, at), kernel, kernel),
                lambda x, w: quant.output_layer(x, *w[:2], True, *w[2:]))
         return self._ms(dict(zip(PARTS, fns)), self.int8_parts, rows, reps, parts)
 
